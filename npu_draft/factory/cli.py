@@ -1,0 +1,48 @@
+"""`npu-spec make-models OUT`: write the offline model set."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from npu_draft.factory.make import make_models
+from npu_draft.factory.shapes import TARGET_SHAPES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, help="output folder")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument(
+        "--draft",
+        default="same",
+        help="draft variant: same (acceptance ~1), noisy[:sigma] (noise of sigma x each "
+        "tensor's std; default 0.05), unrelated (acceptance ~0)",
+    )
+    parser.add_argument(
+        "--target-shape",
+        default="small",
+        choices=sorted(TARGET_SHAPES),
+        help="small: the core itself; qwen3-*: cost-padded target computing the core function",
+    )
+    parser.add_argument(
+        "--target-dtype",
+        choices=["float32", "float16"],
+        default=None,
+        help="target GGUF weight type (default: float16 for qwen3-* shapes, else float32)",
+    )
+    parser.add_argument(
+        "--no-drafter", action="store_true", help="skip exporting the ONNX drafter folder"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    out = make_models(
+        args.out,
+        seed=args.seed,
+        draft=args.draft,
+        target_shape=args.target_shape,
+        target_dtype=args.target_dtype,
+        with_drafter=not args.no_drafter,
+    )
+    print(out)
+    return 0

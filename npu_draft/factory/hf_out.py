@@ -1,0 +1,79 @@
+"""Write Hugging Face Qwen3ForCausalLM folders (config, safetensors, tokenizer).
+
+These folders are the universal source: transformers loads them as the reference
+implementation, and the drafter export reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.numpy import save_file
+
+from npu_draft.factory.gguf_out import (
+    BOS_TOKEN_ID,
+    CONTEXT_LENGTH,
+    EOS_TOKEN_ID,
+    RMS_EPS,
+    ROPE_THETA,
+)
+from npu_draft.factory.shapes import ModelShape
+from npu_draft.factory.weights import Weights
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def hf_config(shape: ModelShape) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": shape.vocab,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.ffn,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": CONTEXT_LENGTH,
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": ROPE_THETA,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": shape.layers,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": "float32",
+    }
+
+
+def build_tokenizer_files(vocab_gguf: Path, chat_template: str, out: Path) -> None:
+    """Convert llama.cpp's Qwen2 vocab GGUF into tokenizer.json & co (offline)."""
+    from transformers import AutoTokenizer  # heavy import, only needed here
+
+    tokenizer = AutoTokenizer.from_pretrained(str(vocab_gguf.parent), gguf_file=vocab_gguf.name)
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.pad_token = "<|endoftext|>"
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(out))
+
+
+def write_hf_folder(
+    out: Path, shape: ModelShape, weights: Weights, tokenizer_dir: Path, name: str
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config(shape)
+    config["_name_or_path"] = name
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": [EOS_TOKEN_ID, BOS_TOKEN_ID]}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    save_file({k: v for k, v in weights.items()}, str(out / "model.safetensors"))
+    for name in TOKENIZER_FILES:
+        shutil.copy2(tokenizer_dir / name, out / name)

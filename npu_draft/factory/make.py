@@ -1,0 +1,158 @@
+"""`make_models`: a deterministic, offline set of target and draft models.
+
+OUT/
+  target.gguf     the target for llama-server (core function, padded to a shape's cost)
+  core.gguf       the unpadded core as GGUF (only when the target is padded)
+  draft.gguf      the draft, for llama.cpp's own drafting in A/B runs
+  target-hf/      the core function as a Hugging Face folder (what the target computes)
+  draft-hf/       the draft as a Hugging Face folder (the export's source)
+  draft/          the drafter folder `npu-spec serve --drafter` takes
+  manifest.json   how it was made
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from npu_draft.factory.gguf_out import read_tokenizer_fields, write_gguf
+from npu_draft.factory.hf_out import build_tokenizer_files, write_hf_folder
+from npu_draft.factory.shapes import CORE, TARGET_SHAPES
+from npu_draft.factory.weights import (
+    Weights,
+    noisy_weights,
+    padded_tensors,
+    plain_tensors,
+    random_weights,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NOISE_SIGMA = 0.05
+UNRELATED_SEED_OFFSET = 7919
+NOISE_SEED_OFFSET = 104729
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    kind: str  # "same" | "noisy" | "unrelated"
+    sigma: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> DraftSpec:
+        kind, _, arg = text.partition(":")
+        if kind == "same" and not arg:
+            return cls("same")
+        if kind == "unrelated" and not arg:
+            return cls("unrelated")
+        if kind == "noisy":
+            try:
+                sigma = float(arg) if arg else DEFAULT_NOISE_SIGMA
+            except ValueError:
+                raise ValueError(f"bad noise level in draft spec {text!r}") from None
+            if not 0 < sigma < 10:
+                raise ValueError(f"noise level must be in (0, 10), got {sigma}")
+            return cls("noisy", sigma)
+        raise ValueError(f"unknown draft spec {text!r}; use same, noisy[:sigma] or unrelated")
+
+    def __str__(self) -> str:
+        return f"noisy:{self.sigma:g}" if self.kind == "noisy" else self.kind
+
+
+def draft_weights(core: Weights, spec: DraftSpec, seed: int) -> Weights:
+    if spec.kind == "same":
+        return core
+    if spec.kind == "noisy":
+        return noisy_weights(core, spec.sigma, seed + NOISE_SEED_OFFSET)
+    return random_weights(CORE, seed + UNRELATED_SEED_OFFSET)
+
+
+def _pinned_sources() -> tuple[Path, str]:
+    """llama.cpp's Qwen2 vocab GGUF and the Qwen3 chat template, from the pinned source."""
+    from proxy import server_install  # the pinned llama.cpp source lives in its cache
+
+    server_install.fetch_source()
+    return server_install.vocab_file(), server_install.chat_template_file().read_text()
+
+
+def _tokenizer_dir(vocab_gguf: Path, chat_template: str) -> Path:
+    """Tokenizer files converted once per machine and reused."""
+    from proxy import server_install
+
+    cached = server_install.cache_root() / "tokenizer-qwen3"
+    if not (cached / "tokenizer.json").is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+            build_tokenizer_files(vocab_gguf, chat_template, Path(tmp))
+            shutil.rmtree(cached, ignore_errors=True)
+            Path(tmp).rename(cached)
+            Path(tmp).mkdir()  # let TemporaryDirectory clean up a folder that exists
+    return cached
+
+
+def make_models(
+    out: str | Path,
+    seed: int = 0,
+    draft: str | DraftSpec = "same",
+    target_shape: str = "small",
+    target_dtype: str | None = None,
+    with_drafter: bool = True,
+) -> Path:
+    """Write the model set into `out` and return it."""
+    out = Path(out)
+    spec = draft if isinstance(draft, DraftSpec) else DraftSpec.parse(draft)
+    if target_shape not in TARGET_SHAPES:
+        raise ValueError(f"unknown target shape {target_shape!r}; one of {sorted(TARGET_SHAPES)}")
+    big = TARGET_SHAPES[target_shape]
+    padded = big != CORE
+    # Big GPU shapes in float16 (what a real checkpoint would be); small ones exact in float32.
+    dtype = np.dtype(target_dtype or ("float16" if big.hidden >= 2048 else "float32"))
+
+    vocab_gguf, chat_template = _pinned_sources()
+    tokenizer_dir = _tokenizer_dir(vocab_gguf, chat_template)
+    out.mkdir(parents=True, exist_ok=True)
+
+    core = random_weights(CORE, seed)
+    drafted = draft_weights(core, spec, seed)
+    log.info("writing %s (target %s, draft %s, seed %d)", out, target_shape, spec, seed)
+    write_hf_folder(out / "target-hf", CORE, core, tokenizer_dir, f"npu-spec-core-s{seed}")
+    write_hf_folder(
+        out / "draft-hf", CORE, drafted, tokenizer_dir, f"npu-spec-draft-{spec}-s{seed}"
+    )
+    fields = read_tokenizer_fields(
+        vocab_gguf, cache_file=tokenizer_dir / "gguf-tokenizer-fields.json"
+    )
+    common = {"tokenizer_fields": fields, "chat_template": chat_template}
+    if padded:
+        tensors = padded_tensors(core, CORE, big, seed, dtype)
+        write_gguf(
+            out / "target.gguf", big, tensors, dtype, name=f"npu-spec-{target_shape}", **common
+        )
+        write_gguf(out / "core.gguf", CORE, plain_tensors(core, np.float32), np.float32,
+                   name="npu-spec-core", **common)  # fmt: skip
+    else:
+        (out / "core.gguf").unlink(missing_ok=True)
+        write_gguf(out / "target.gguf", CORE, plain_tensors(core, dtype), dtype,
+                   name="npu-spec-core", **common)  # fmt: skip
+    write_gguf(out / "draft.gguf", CORE, plain_tensors(drafted, np.float32), np.float32,
+               name=f"npu-spec-draft-{spec}", **common)  # fmt: skip
+    if with_drafter:
+        from npu_draft.export import export_drafter
+
+        export_drafter(out / "draft-hf", out / "draft")
+    manifest = {
+        "seed": seed,
+        "draft": str(spec),
+        "target_shape": target_shape,
+        "target_dims": asdict(big),
+        "core_dims": asdict(CORE),
+        "target_dtype": dtype.name,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return out

