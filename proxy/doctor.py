@@ -1,0 +1,101 @@
+"""`npu-spec doctor`: say plainly what this machine (and an upstream server) can do."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+from collections.abc import Callable
+
+from proxy.llama_server import LlamaServerNotFound, find_llama_server, server_version
+
+NPU_PROVIDER = "VitisAIExecutionProvider"
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def llama_server_report(explicit: str | None) -> tuple[list[str], bool]:
+    try:
+        binary = find_llama_server(explicit)
+    except LlamaServerNotFound as error:
+        return [f"llama-server: MISSING - {error}"], False
+    return [f"llama-server: {binary}", f"  {server_version(binary)}"], True
+
+
+def onnxruntime_report() -> list[str]:
+    lines = []
+    try:
+        import onnxruntime
+    except ImportError as error:
+        return [f"onnxruntime: NOT IMPORTABLE ({error})"]
+    providers = onnxruntime.get_available_providers()
+    ort_dist = next(
+        (
+            f"{name} {_version(name)}"
+            for name in ("onnxruntime-vitisai", "onnxruntime-gpu", "onnxruntime")
+            if _version(name)
+        ),
+        f"onnxruntime {onnxruntime.__version__}",
+    )
+    lines.append(f"onnxruntime: {ort_dist}")
+    lines.append(f"  execution providers: {', '.join(providers)}")
+    if NPU_PROVIDER in providers:
+        lines.append(f"  NPU: yes ({NPU_PROVIDER} is available)")
+    else:
+        lines.append(
+            f"  NPU: no ({NPU_PROVIDER} is not in this onnxruntime build; drafters run on "
+            + ("CUDA" if "CUDAExecutionProvider" in providers else "the CPU")
+            + ")"
+        )
+    genai = _version("onnxruntime-genai") or _version("onnxruntime-genai-cuda")
+    lines.append(
+        f"onnxruntime-genai: {genai or 'not installed (the genai drafter backend is off)'}"
+    )
+    return lines
+
+
+def upstream_report(url: str, k: int, conversations: int) -> tuple[list[str], bool]:
+    from proxy.attach_check import check_upstream
+
+    try:
+        findings = asyncio.run(check_upstream(url, k=k, conversations=conversations))
+    except Exception as error:  # an unreachable server is a finding, not a crash
+        return [f"upstream {url}: UNREACHABLE - {error}"], False
+    lines = [f"upstream {url} (k={k}, {conversations} conversation(s)):"]
+    healthy = True
+    for finding in findings:
+        mark = {"ok": "ok", "warning": "WARN", "error": "FAIL"}[finding.severity]
+        fix = f" -> fix: {finding.fix}" if getattr(finding, "fix", None) else ""
+        lines.append(f"  [{mark}] {finding.message}{fix}")
+        healthy &= finding.severity != "error"
+    return lines, healthy
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--llama-server", default=None, help="llama-server binary to check")
+    parser.add_argument(
+        "--upstream", default=None, help="URL of a running llama-server to check for verification"
+    )
+    parser.add_argument("-k", type=int, default=4, help="draft length to check slots for")
+    parser.add_argument(
+        "--conversations", type=int, default=1, help="concurrent conversations to plan slots for"
+    )
+
+
+def run(args: argparse.Namespace, echo: Callable[[str], None] = print) -> int:
+    ok = True
+    lines, found = llama_server_report(args.llama_server)
+    ok &= found or args.upstream is not None  # attached mode needs no local binary
+    lines += onnxruntime_report()
+    if args.upstream:
+        upstream_lines, healthy = upstream_report(args.upstream, args.k, args.conversations)
+        lines += upstream_lines
+        ok &= healthy
+    for line in lines:
+        echo(line)
+    return 0 if ok else 1

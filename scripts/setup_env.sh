@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv (if needed), install npu-spec into it, and build the pinned llama-server.
+# Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (everything is cached).
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+EXTRAS="${1:-}"
+
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "npu-spec needs Python >= 3.11 (found $("$PYTHON" --version))" >&2; exit 1; }
+[ -x "$REPO/.venv/bin/python" ] || "$PYTHON" -m venv "$REPO/.venv"
+# shellcheck disable=SC1091
+source "$REPO/.venv/bin/activate"
+python -m pip install --quiet --upgrade pip
+if [ -n "$EXTRAS" ]; then
+  # The CPU build of PyTorch keeps the test environment small (tests compare with transformers).
+  python -c 'import torch' 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
+fi
+python -m pip install --quiet -e "$REPO${EXTRAS:+[$EXTRAS]}"
+npu-spec install-server
