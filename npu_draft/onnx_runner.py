@@ -1,0 +1,326 @@
+"""Backend `onnx`: a plain ONNX decoder graph with past/present KV, run through IO binding.
+
+Each session preallocates ONE buffer per layer for keys and one for values, shaped
+[1, kv_heads, max_context, head_dim], and binds it as both `past_key_values.N.*` and
+`present.N.*`. GroupQueryAttention (com.microsoft) writes the new positions in place
+and reads only the first `len(attention_mask)` of them, so the cache never moves:
+rolling back is just a shorter attention mask, and re-sync costs only the new tokens.
+(Copying the cache every step doubled per-token time at 900 tokens on 2 CPU cores.)
+
+Graphs from `onnxruntime_genai.models.builder` (what `npu-spec export-drafter`
+writes) have this shape; a graph whose attention concatenates past and present
+(optimum's default export) cannot share the buffer and is refused with a hint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from npu_draft import providers
+from npu_draft.protocol import (
+    GREEDY,
+    CancelToken,
+    Draft,
+    DrafterInfo,
+    SamplingParams,
+    SyncStats,
+    common_prefix_length,
+)
+from npu_draft.sampling import choose_token
+from npu_draft.tokenizer_check import DrafterManifest, drafter_facts
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONTEXT = 4096  # Ryzen AI NPU models stop at 4k; the buffer is sized for it
+# Prefill runs in chunks. A graph that emits logits for every input position would
+# otherwise make a 2.5 GB tensor at 4k positions x 152k vocabulary; one trimmed to
+# the last position (what export-drafter writes) only bounds attention scratch.
+PREFILL_CHUNK = 128
+PREFILL_CHUNK_LAST_POSITION = 512
+
+_ORT_FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Shapes and names the runner needs, from genai_config.json or npu_draft.json."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    filename: str = "model.onnx"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    past_key: str = "past_key_values.%d.key"
+    past_value: str = "past_key_values.%d.value"
+    present_key: str = "present.%d.key"
+    present_value: str = "present.%d.value"
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> DecoderSpec:
+        genai_config = folder / "genai_config.json"
+        if genai_config.exists():
+            return cls._from_genai_config(json.loads(genai_config.read_text())["model"])
+        manifest = DrafterManifest.read(folder)
+        if manifest is not None and manifest.decoder:
+            known = set(cls.__dataclass_fields__)
+            fields = {k: v for k, v in manifest.decoder.items() if k in known}
+            fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+            return cls(**fields)
+        raise FileNotFoundError(
+            f"{folder}: no genai_config.json or npu_draft.json describing the decoder "
+            f"(layers, KV heads, head size); export it with `npu-spec export-drafter`"
+        )
+
+    @classmethod
+    def _from_genai_config(cls, model: dict) -> DecoderSpec:
+        decoder = model["decoder"]
+        inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
+        eos = model.get("eos_token_id", [])
+        return cls(
+            num_layers=decoder["num_hidden_layers"],
+            num_kv_heads=decoder["num_key_value_heads"],
+            head_dim=decoder["head_size"],
+            vocab_size=model["vocab_size"],
+            context_length=model.get("context_length", DEFAULT_MAX_CONTEXT),
+            filename=decoder.get("filename", "model.onnx"),
+            bos_token_id=model.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]),
+            past_key=inputs.get("past_key_names", cls.past_key),
+            past_value=inputs.get("past_value_names", cls.past_value),
+            present_key=outputs.get("present_key_names", cls.present_key),
+            present_value=outputs.get("present_value_names", cls.present_value),
+        )
+
+    def to_json(self) -> dict:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data["eos_token_ids"] = list(self.eos_token_ids)
+        return data
+
+
+class OnnxDraftModel:
+    """A loaded ONNX decoder; `open_session()` gives each conversation its own cache."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        provider: str = "auto",
+        *,
+        max_context: int | None = None,
+        threads: int | None = None,
+        cross_check: bool | None = None,
+        config_file: str | None = None,
+        cache_dir: str | None = None,
+        cache_key: str | None = None,
+        prefill_chunk: int | None = None,
+    ) -> None:
+        self.folder = Path(folder)
+        self.spec = DecoderSpec.from_folder(self.folder)
+        _require_shared_buffer_attention(self.folder / self.spec.filename, self.spec)
+        self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.spec.context_length)
+        self.choice = providers.choose_provider(
+            provider, config_file=config_file, cache_dir=cache_dir, cache_key=cache_key
+        )
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or providers.default_threads()
+        options.log_severity_level = 3  # ORT's warnings about unused initializers are noise
+        self.session = ort.InferenceSession(
+            str(self.folder / self.spec.filename),
+            options,
+            providers=self.choice.ort_providers(),
+        )
+        providers.check_session_providers(self.choice, self.session.get_providers())
+        self._inputs = {i.name: i for i in self.session.get_inputs()}
+        self._kv_dtype = _ORT_FLOAT[self._inputs[self.spec.past_key % 0].type]
+        logits_shape = next(o.shape for o in self.session.get_outputs() if o.name == "logits")
+        last_position_only = len(logits_shape) == 3 and logits_shape[1] == 1
+        self.prefill_chunk = prefill_chunk or (
+            PREFILL_CHUNK_LAST_POSITION if last_position_only else PREFILL_CHUNK
+        )
+        facts = drafter_facts(self.folder)
+        self.info = DrafterInfo(
+            name=facts.name if facts is not None else self.folder.name,
+            backend="onnx",
+            provider=self.choice.name,
+            vocab_size=self.spec.vocab_size,
+            max_context=self.max_context,
+            eos_token_ids=self.spec.eos_token_ids,
+            bos_token_id=self.spec.bos_token_id,
+            tokenizer_fingerprint=None if facts is None else facts.fingerprint,
+        )
+        log.info(
+            "draft model %s: backend onnx on %s (%s), context %d",
+            self.info.name,
+            self.choice.name,
+            self.choice.ort_name,
+            self.max_context,
+        )
+        if cross_check if cross_check is not None else self.choice.name != "cpu":
+            providers.cross_check_against_cpu(
+                self.choice, self.info.name, self.probe_logits(), self._cpu_probe_logits
+            )
+
+    def open_session(self) -> OnnxDraftSession:
+        return OnnxDraftSession(self)
+
+    def probe_logits(self) -> np.ndarray:
+        """Logits after a fixed probe sequence, for the start-up provider check."""
+        session = self.open_session()
+        try:
+            session.sync(providers.probe_tokens(self.spec.vocab_size))
+            return session.next_logits()
+        finally:
+            session.close()
+
+    def _cpu_probe_logits(self) -> np.ndarray:
+        reference = OnnxDraftModel(
+            self.folder, "cpu", max_context=64, cross_check=False, prefill_chunk=self.prefill_chunk
+        )
+        try:
+            return reference.probe_logits()
+        finally:
+            reference.close()
+
+    def close(self) -> None:
+        self.session = None  # type: ignore[assignment]
+
+
+class OnnxDraftSession:
+    """One token sequence's KV cache in shared past/present buffers."""
+
+    def __init__(self, model: OnnxDraftModel) -> None:
+        self._model = model
+        spec = model.spec
+        shape = (1, spec.num_kv_heads, model.max_context, spec.head_dim)
+        # The cache lives where the provider computes: a CPU buffer bound to a CUDA
+        # session would be copied in and out every step, and GQA only shares a
+        # buffer it can write in place. The NPU provider works on host memory.
+        if model.choice.name == "cuda":
+            self._kv = [
+                ort.OrtValue.ortvalue_from_shape_and_type(shape, model._kv_dtype, "cuda", 0)
+                for _ in range(2 * spec.num_layers)
+            ]
+        else:
+            self._kv = [
+                ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, model._kv_dtype))
+                for _ in range(2 * spec.num_layers)
+            ]
+        self._binding = model.session.io_binding()
+        for layer in range(spec.num_layers):
+            for name_in, name_out, value in (
+                (spec.past_key, spec.present_key, self._kv[2 * layer]),
+                (spec.past_value, spec.present_value, self._kv[2 * layer + 1]),
+            ):
+                self._binding.bind_ortvalue_input(name_in % layer, value)
+                self._binding.bind_ortvalue_output(name_out % layer, value)
+        self._mask = np.ones((1, model.max_context), dtype=np.int64)
+        self._has_position_ids = "position_ids" in model._inputs
+        self._cached: list[int] = []  # tokens whose keys/values are in the buffers
+        self._pending: list[int] = []  # drafted after _cached, not yet run
+        self._logits: np.ndarray | None = None  # after _cached[-1]
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return self._cached + self._pending
+
+    def sync(self, tokens: Sequence[int]) -> SyncStats:
+        tokens = list(tokens)
+        if len(tokens) > self._model.max_context:
+            raise ValueError(
+                f"sequence of {len(tokens)} tokens exceeds the drafter's context of "
+                f"{self._model.max_context}"
+            )
+        keep = common_prefix_length(self._cached, tokens)
+        if keep == len(tokens) and keep < len(self._cached):
+            keep -= 1  # pure rollback: re-run the last token to get its logits back
+        self._pending = []
+        if keep == len(tokens) == len(self._cached):
+            return SyncStats(reused=keep, appended=0)
+        keep = max(keep, 0)
+        self._cached = tokens[:keep]
+        self._logits = None
+        if len(tokens) > keep:
+            self._run(tokens[keep:])
+        return SyncStats(reused=keep, appended=len(tokens) - keep)
+
+    def propose(
+        self,
+        k: int,
+        sampling: SamplingParams = GREEDY,
+        rng: np.random.Generator | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Draft:
+        if self._pending:  # drafting again without a sync: continue after the last draft
+            self._run(self._pending)
+            self._pending = []
+        draft = Draft(dists=None if sampling.greedy else [])
+        room = self._model.max_context - len(self._cached)
+        for i in range(min(k, room)):
+            if cancel is not None and cancel.cancelled:
+                break
+            if i > 0:  # the previous draft token enters the cache only when needed
+                self._run(self._pending)
+                self._pending = []
+            token, prob, dist = choose_token(self.next_logits(), sampling, rng)
+            draft.tokens.append(token)
+            draft.probs.append(prob)
+            if draft.dists is not None and dist is not None:
+                draft.dists.append(dist)
+            self._pending = [token]
+        return draft
+
+    def next_logits(self) -> np.ndarray:
+        if self._pending:
+            self._run(self._pending)
+            self._pending = []
+        if self._logits is None:
+            raise RuntimeError("no tokens synced yet: call sync() with a non-empty prefix first")
+        return self._logits
+
+    def _run(self, new_tokens: Sequence[int]) -> None:
+        chunk = self._model.prefill_chunk
+        for start in range(0, len(new_tokens), chunk):
+            piece = list(new_tokens[start : start + chunk])
+            self._logits = self._forward(piece, len(self._cached))
+            self._cached.extend(piece)
+
+    def _forward(self, piece: list[int], past_length: int) -> np.ndarray:
+        total = past_length + len(piece)
+        binding = self._binding
+        binding.bind_cpu_input("input_ids", np.array([piece], dtype=np.int64))
+        binding.bind_cpu_input("attention_mask", self._mask[:, :total])
+        if self._has_position_ids:
+            positions = np.arange(past_length, total, dtype=np.int64)[None, :]
+            binding.bind_cpu_input("position_ids", positions)
+        binding.bind_output("logits", "cpu")
+        self._model.session.run_with_iobinding(binding)
+        logits = binding.get_outputs()[-1].numpy()
+        return np.asarray(logits[0, -1], dtype=np.float32)
+
+    def close(self) -> None:
+        self._kv = []
+        self._binding = None  # type: ignore[assignment]
+
+
+def _require_shared_buffer_attention(model_path: Path, spec: DecoderSpec) -> None:
+    """Refuse graphs whose past keys feed something other than GroupQueryAttention."""
+    import onnx
+
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    past = spec.past_key % 0
+    consumers = {node.op_type for node in graph.node if past in node.input}
+    if consumers and consumers != {"GroupQueryAttention"}:
+        raise ValueError(
+            f"{model_path}: past keys feed {sorted(consumers)}, not GroupQueryAttention, so "
+            f"past and present cannot share one buffer; re-export with "
+            f"`npu-spec export-drafter HF_DIR OUT --format onnx`"
+        )
