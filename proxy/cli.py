@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "turn a Hugging Face Qwen3 checkpoint into a drafter folder",
     ),
     "doctor": ("proxy.doctor", "report llama-server, ONNX Runtime providers and server setup"),
+    "bench": ("proxy.bench_cmd", "plain vs llama.cpp drafting vs the proxy vs an oracle drafter"),
 }
 
 

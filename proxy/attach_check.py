@@ -1,0 +1,159 @@
+"""Attached mode: is a running llama-server set up for one-decode verification?
+
+`check_upstream` returns findings, each naming the exact flag to change; the serve
+command refuses (or degrades) on errors, and `npu-spec doctor --upstream` prints them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
+
+Severity = Literal["error", "warning", "ok"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: Severity
+    message: str
+    fix: str | None = None  # the llama-server flag to add or change
+
+
+PROBE_PROMPT = "npu-spec attach check: one decode per verify round. " * 8
+
+
+@dataclass(frozen=True)
+class ProbeRound:
+    decodes: int  # llamacpp:n_decode_total delta
+    prompt_tokens: int  # llamacpp:prompt_tokens_total delta: tokens the slots ingested
+    bound: int  # most tokens a correctly set-up server ingests in this round
+
+
+async def _probe_rounds(upstream: UpstreamClient, k: int, rounds: int = 3) -> list[ProbeRound]:
+    """Verify rounds as the engine runs them, drafting the server's own greedy tokens.
+
+    Measured on b11434: n_decode_total grows by one per round whatever the flags
+    (llama_decode splits a non-unified batch internally), so the telling number is
+    prompt_tokens_total: with idle-slot caching on, every round re-prefills most
+    slots (hundreds of tokens instead of about (k+1) x accepted).
+    """
+    context = await upstream.tokenize(PROBE_PROMPT)
+    truth = await upstream.completion(
+        {"prompt": context, "n_predict": rounds * (k + 1), "temperature": 0.0,
+         "return_tokens": True, "cache_prompt": True}
+    )  # fmt: skip
+    tokens = truth["tokens"]
+    out: list[ProbeRound] = []
+    before = await upstream.metrics()
+    committed_last = len(context)
+    for r in range(rounds):
+        done = r * (k + 1)  # every draft is right: each round commits k+1 tokens
+        await upstream.verify(context + tokens[:done], tokens[done : done + k])
+        after = await upstream.metrics()
+        out.append(
+            ProbeRound(
+                decodes=int(after["llamacpp:n_decode_total"] - before["llamacpp:n_decode_total"]),
+                prompt_tokens=int(
+                    after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"]
+                ),
+                bound=(k + 1) * committed_last + k * (k + 1) // 2,
+            )
+        )
+        committed_last = k + 1
+        before = after
+    return out
+
+
+async def check_upstream(base_url: str, k: int, conversations: int = 1) -> list[Finding]:
+    findings: list[Finding] = []
+    async with UpstreamClient(base_url) as upstream:
+        try:
+            await upstream.health()
+        except (UpstreamError, UpstreamClientError) as exc:
+            return [Finding("error", f"llama-server not healthy: {exc}")]
+        findings.append(Finding("ok", f"llama-server at {base_url} is healthy"))
+        props = await upstream.props()
+        slots = int(props.get("total_slots", 1))
+        need = conversations * (k + 1)
+        if slots < k + 1:
+            findings.append(
+                Finding(
+                    "error",
+                    f"{slots} slots; k={k} needs {k + 1} per conversation",
+                    f"-np {need + 1}",
+                )
+            )
+        elif slots < need:
+            findings.append(
+                Finding(
+                    "warning",
+                    f"{slots} slots serve {slots // (k + 1)} of {conversations} "
+                    "conversations at once; the rest queue",
+                    f"-np {need + 1}",
+                )
+            )
+        else:
+            findings.append(Finding("ok", f"{slots} slots: {slots // (k + 1)} conversations"))
+        n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx", 0))
+        findings.append(Finding("ok", f"context per slot: {n_ctx} tokens"))
+        if not props.get("endpoint_metrics", False):
+            findings.append(
+                Finding(
+                    "error",
+                    "/metrics is off: the one-decode-per-round check cannot run",
+                    "--metrics",
+                )
+            )
+            return findings
+        if slots < k + 1:
+            return findings
+        try:
+            rounds = await _probe_rounds(upstream, k)
+        except (UpstreamError, UpstreamClientError, KeyError) as exc:
+            findings.append(Finding("error", f"verify probe failed: {exc!r}"))
+            return findings
+        later = rounds[1:]
+        if any(r.decodes != 1 for r in later):
+            findings.append(
+                Finding(
+                    "error",
+                    f"verify rounds took {[r.decodes for r in later]} decodes instead of 1 each",
+                    "-kvu --no-cache-idle-slots -cram 0",
+                )
+            )
+        elif any(r.prompt_tokens > r.bound for r in later):
+            findings.append(
+                Finding(
+                    "error",
+                    "every verify round re-prefills the slots ("
+                    + ", ".join(f"{r.prompt_tokens} tokens, expected <= {r.bound}" for r in later)
+                    + "): idle-slot caching wipes them",
+                    "--no-cache-idle-slots -cram 0",
+                )
+            )
+        else:
+            findings.append(Finding("ok", "one llama_decode per verify round, no re-prefill"))
+        try:
+            await upstream.slot_action(0, "save", "npu-spec-attach-check.bin")
+            findings.append(Finding("ok", "slot save/restore on: cold starts prefill once"))
+        except (UpstreamError, UpstreamClientError) as exc:
+            findings.append(
+                Finding(
+                    "warning",
+                    f"slot save/restore unavailable ({exc}): a cold start prefills k+1 slots",
+                    "--slot-save-path DIR",
+                )
+            )
+        # /props does not say whether the KV cache is unified, and the batch split
+        # it causes happens inside one llama_decode: it cannot be measured here.
+        findings.append(
+            Finding(
+                "warning",
+                "cannot verify unified KV through the API; without it each round costs "
+                "about k+1 passes",
+                "-kvu",
+            )
+        )
+    return findings

@@ -1,0 +1,81 @@
+"""Proxy settings: one model, three sources with the same names.
+
+Precedence: command-line options > environment variables (`NPU_SPEC_<NAME>`) >
+config file (TOML or JSON, `--config PATH` or `NPU_SPEC_CONFIG`) > defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ProxySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="NPU_SPEC_", extra="forbid")
+
+    # where the target runs: exactly one of the two
+    target: Path | None = Field(None, description="GGUF model: start llama-server (managed)")
+    upstream: str | None = Field(None, description="URL of a running llama-server (attached)")
+
+    drafter: str | None = Field(None, description="drafter folder, or 'ngram'; none: plain")
+    provider: str = Field("auto", description="execution provider for the drafter")
+    k: int = Field(4, ge=0, le=16, description="draft tokens per round")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+
+    # managed mode only
+    llama_server: Path | None = Field(None, description="llama-server binary")
+    ctx: int = Field(4096, ge=64, description="context per conversation (tokens)")
+    conversations: int = Field(1, ge=1, description="concurrent speculative conversations")
+    passthrough_slots: int = Field(1, ge=0, description="extra slots for passed-through requests")
+    threads: int | None = Field(None, ge=1, description="llama-server -t")
+    server_host: str = "127.0.0.1"
+    server_port: int | None = None
+    slot_save_dir: Path | None = None
+    server_args: list[str] = Field(default_factory=list, description="extra llama-server args")
+    server_log: Path | None = None
+
+    # behaviour
+    when_busy: Literal["queue", "passthrough"] = "queue"
+    queue_timeout_s: float = Field(300.0, gt=0)
+    verify_timeout_s: float = Field(600.0, gt=0)
+    check_decodes: bool = Field(False, description="check one server decode per round")
+    strict_decodes: bool = Field(False, description="fail a request whose round decodes != 1")
+    attach_policy: Literal["refuse", "degrade"] = "refuse"
+
+    @model_validator(mode="after")
+    def _one_target(self) -> ProxySettings:
+        if (self.target is None) == (self.upstream is None):
+            raise ValueError("give exactly one of --target model.gguf or --upstream URL")
+        return self
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(path)
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    # allow `llama-server = ...` as well as `llama_server = ...`
+    return {str(key).replace("-", "_"): value for key, value in data.items()}
+
+
+def load_settings(
+    cli_values: dict[str, Any], config_path: str | os.PathLike[str] | None = None
+) -> ProxySettings:
+    """Merge the sources; `cli_values` holds only options the user actually gave."""
+    config_path = config_path or os.environ.get("NPU_SPEC_CONFIG")
+    file_values = read_config_file(config_path) if config_path else {}
+    env_names = {
+        name for name in ProxySettings.model_fields if f"NPU_SPEC_{name.upper()}" in os.environ
+    }
+    # file < env: drop file values the environment overrides, then let pydantic-settings
+    # read the environment; explicit init values (CLI) beat the environment.
+    merged = {k: v for k, v in file_values.items() if k not in env_names}
+    merged.update(cli_values)
+    return ProxySettings(**merged)

@@ -1,0 +1,482 @@
+"""One generation's greedy draft -> verify -> accept loop.
+
+The engine knows nothing of HTTP routes. It takes prompt token ids and the few
+request parameters it can honour losslessly (n_predict, stop strings), and yields
+one `TokenEvent` per generated token exactly as llama-server's `process_token`
+would emit it, then a `GenerationResult`. `ServerTextState` mirrors the server's
+text bookkeeping (UTF-8 hold-back, stop strings across token boundaries, limits) so
+the proxy stops on the same token and returns the same text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from npu_draft.protocol import DraftSession
+from proxy.acceptance import greedy_accept
+from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError, VerifyResult
+
+log = logging.getLogger(__name__)
+
+
+# -- text bookkeeping, mirroring tools/server/server-context.cpp process_token ----
+
+
+def valid_utf8_prefix(data: bytes) -> int:
+    """Length of the longest prefix that does not end inside a UTF-8 sequence.
+
+    Same rule as llama.cpp's `validate_utf8`: only an incomplete multi-byte sequence
+    at the very end is cut; invalid bytes elsewhere are left alone.
+    """
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        byte = data[n - back]
+        if back == 1 and byte & 0x80 == 0:
+            return n
+        if byte & 0xC0 == 0xC0:  # a lead byte: does its sequence fit?
+            need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4
+            return n if back >= need else n - back
+        if byte & 0xC0 != 0x80:
+            return n
+    return n
+
+
+def find_partial_stop(text: bytes, stop: bytes) -> int:
+    """Start of the longest suffix of `text` that is a prefix of `stop`, else -1."""
+    if not text or not stop:
+        return -1
+    last = text[-1]
+    for length in range(min(len(text), len(stop)), 0, -1):
+        if stop[length - 1] == last and text.endswith(stop[:length]):
+            return len(text) - length
+    return -1
+
+
+@dataclass
+class TokenEvent:
+    """What the server would send for one generated token.
+
+    `sent` is False for a token that ends inside a UTF-8 character: the server
+    emits no stream chunk for it. `text` is the newly releasable text (b"" while a
+    possible stop string is held back).
+    """
+
+    token: int
+    text: bytes
+    sent: bool
+    n_decoded: int
+    stopped_by_word: bool = False
+
+
+class ServerTextState:
+    """llama-server's per-slot generated-text state, token by token."""
+
+    def __init__(self, stop_words: Sequence[str], n_prompt: int, n_ctx: int, n_predict: int):
+        self.stop_words = [w.encode("utf-8") for w in stop_words]
+        self.stop_strings = list(stop_words)
+        self.n_prompt = n_prompt
+        self.n_ctx = n_ctx
+        self.n_predict = n_predict  # -1: unlimited
+        self.generated = bytearray()
+        self.tokens: list[int] = []
+        self.n_sent = 0
+        self.stop_type = "none"
+        self.stopping_word = ""
+        self.truncated = False
+        self.has_new_line = False
+        self.finished = False
+
+    def _find_stop(self, text: bytes, last_token_size: int, full: bool) -> int:
+        best = -1
+        for word, word_str in zip(self.stop_words, self.stop_strings, strict=True):
+            if full:
+                tmp = len(word) + last_token_size
+                pos = text.find(word, max(0, len(text) - tmp))
+            else:
+                pos = find_partial_stop(text, word)
+            if pos != -1 and (best == -1 or pos < best):
+                if full:
+                    self.stop_type = "word"
+                    self.stopping_word = word_str
+                    self.finished = True
+                best = pos
+        return best
+
+    def push(self, token: int, piece: bytes, is_eog: bool) -> TokenEvent:
+        if self.finished:
+            raise RuntimeError("generation already finished")
+        self.generated += piece
+        self.tokens.append(token)
+        event = TokenEvent(token=token, text=b"", sent=False, n_decoded=len(self.tokens))
+        incomplete = valid_utf8_prefix(bytes(self.generated)) < len(self.generated)
+        if not incomplete:
+            pos = min(self.n_sent, len(self.generated))
+            test = bytes(self.generated[pos:])
+            send_text = True
+            stop_pos = self._find_stop(test, len(piece), full=True)
+            if stop_pos != -1:
+                del self.generated[pos + stop_pos :]
+                pos = min(self.n_sent, len(self.generated))
+                event.stopped_by_word = True
+            elif not is_eog:
+                send_text = self._find_stop(test, len(piece), full=False) == -1
+            if send_text:
+                event.text = bytes(self.generated[pos:])
+                self.n_sent += len(event.text)
+            event.sent = True
+        # Context limit (context shift off): the slot's cache holds the prompt and every
+        # generated token but this one.
+        if self.n_prompt + len(self.tokens) >= self.n_ctx:
+            self.truncated = True
+            self.stop_type = "limit"
+            self.finished = True
+        if not self.finished and self.n_predict != -1 and self.n_predict - len(self.tokens) <= 0:
+            self.stop_type = "limit"
+            self.finished = True
+        if b"\n" in event.text:
+            self.has_new_line = True
+        if is_eog:
+            self.stop_type = "eos"
+            self.finished = True
+        return event
+
+    def remaining(self) -> int | None:
+        """Tokens still allowed by n_predict and the context, None when unlimited."""
+        limits = [self.n_ctx - self.n_prompt - len(self.tokens)]
+        if self.n_predict != -1:
+            limits.append(self.n_predict - len(self.tokens))
+        return min(limits)
+
+
+# -- drafting --------------------------------------------------------------------
+
+
+class AsyncDrafter(Protocol):
+    """What the engine needs from a draft session: propose after a committed sequence."""
+
+    async def propose(self, committed: Sequence[int], k: int) -> list[int]: ...
+
+    async def close(self) -> None: ...
+
+
+class AsyncSessionDrafter:
+    """Adapts `npu_draft.async_session.AsyncDraftSession` (one worker thread per
+    session, cancellable between tokens) to what the engine calls."""
+
+    def __init__(self, session: DraftSession, name: str = "draft") -> None:
+        from npu_draft.async_session import AsyncDraftSession
+
+        self._session = AsyncDraftSession(session, name)
+
+    async def propose(self, committed: Sequence[int], k: int) -> list[int]:
+        await self._session.sync(committed)
+        draft = await self._session.propose(k)
+        return [int(t) for t in draft.tokens]
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+# -- the loop --------------------------------------------------------------------
+
+
+@dataclass
+class GenerationParams:
+    n_predict: int = -1  # after merging the server's default; -1 means unlimited
+    stop: list[str] = field(default_factory=list)
+    k: int = 4
+
+
+@dataclass
+class RoundRecord:
+    n_drafted: int
+    n_accepted: int
+    n_committed: int
+    draft_ms: float
+    verify_ms: float
+    overhead_ms: float
+    decodes: int | None = None  # llamacpp:n_decode_total delta, when checked
+    prompt_tokens: int | None = None  # llamacpp:prompt_tokens_total delta, when checked
+    first: bool = False  # the round that also prefills the prompt into k+1 slots
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    content: bytes
+    stop_type: str
+    stopping_word: str
+    truncated: bool
+    has_new_line: bool
+    n_prompt: int
+    n_prompt_cached: int
+    rounds: list[RoundRecord]
+    prompt_ms: float
+    predicted_ms: float
+    drafter_failed: bool = False
+
+    @property
+    def draft_n(self) -> int:
+        return sum(r.n_drafted for r in self.rounds)
+
+    @property
+    def draft_n_accepted(self) -> int:
+        return sum(r.n_accepted for r in self.rounds)
+
+    def timings(self) -> dict[str, float | int]:
+        """llama-server's `timings` object (server-common.cpp server_slot_stats::to_json)."""
+        n_gen = len(self.tokens)
+        steps = max(n_gen - 1, 0)
+        prompt_n = self.n_prompt - self.n_prompt_cached
+        out: dict[str, float | int] = {
+            "cache_n": self.n_prompt_cached,
+            "prompt_n": prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / prompt_n if prompt_n > 0 else 0.0,
+            "prompt_per_second": 1e3 / self.prompt_ms * prompt_n if self.prompt_ms > 0 else 0.0,
+            "predicted_n": n_gen,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / steps if steps > 0 else 0.0,
+            "predicted_per_second": 1e3 / self.predicted_ms * steps
+            if self.predicted_ms > 0
+            else 0.0,
+        }
+        if self.draft_n > 0:
+            out["draft_n"] = self.draft_n
+            out["draft_n_accepted"] = self.draft_n_accepted
+        return out
+
+
+class RoundObserver(Protocol):
+    """Metrics sink (proxy.metrics.ProxyMetrics implements it)."""
+
+    def observe_round(self, record: RoundRecord) -> None: ...
+
+    def observe_generation(self, n_tokens: int, seconds: float) -> None: ...
+
+    def observe_drafter_failure(self) -> None: ...
+
+
+class DecodeCountError(AssertionError):
+    """The server did more than one llama_decode for one verify round."""
+
+
+class SlotReplicator:
+    """Cold start without k+1 prefills (DESIGN.md §2): after a first plain round
+    prefilled one slot, save that slot server-side and restore it into k idle slots.
+
+    Only speed depends on it: a failed or skipped copy means those slots prefill in
+    the next verify batch, exactly as without replication.
+    """
+
+    def __init__(self, upstream: UpstreamClient, min_prompt: int = 64) -> None:
+        self.upstream = upstream
+        self.min_prompt = min_prompt  # shorter prompts prefill in the batch just as well
+        self.available = True  # False once the server refused (no --slot-save-path)
+
+    async def replicate(self, id_slot: int, copies: int, filename: str) -> int:
+        """Copy slot `id_slot` into up to `copies` idle slots; returns how many."""
+        if not self.available or copies <= 0 or id_slot < 0:
+            return 0
+        try:
+            await self.upstream.slot_action(id_slot, "save", filename)
+            slots = await self.upstream.slots()
+            idle = [s["id"] for s in slots if not s.get("is_processing") and s["id"] != id_slot]
+            for target in idle[:copies]:
+                await self.upstream.slot_action(target, "restore", filename)
+            return min(copies, len(idle))
+        except (UpstreamClientError, UpstreamError) as exc:
+            # 501 without --slot-save-path; whatever the cause, only speed is lost
+            self.available = False
+            log.warning("slot save/restore unavailable (%s); prefilling in the batch", exc)
+            return 0
+
+
+class PieceCache:
+    """Exact bytes of token pieces; the verify result's text is lossy only for
+    tokens that end inside a UTF-8 character, and those are looked up once."""
+
+    def __init__(self, upstream: UpstreamClient) -> None:
+        self._upstream = upstream
+        self._exact: dict[int, bytes] = {}
+
+    async def piece(self, result: VerifyResult) -> bytes:
+        if "\ufffd" not in result.piece:
+            return result.piece.encode("utf-8")
+        cached = self._exact.get(result.token)
+        if cached is None:
+            cached = await self._upstream.token_bytes(result.token)
+            self._exact[result.token] = cached
+        return cached
+
+
+class Generation:
+    """Iterate for TokenEvents; `result` is set when iteration ends."""
+
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        prompt: Sequence[int],
+        params: GenerationParams,
+        n_ctx: int,
+        drafter: AsyncDrafter | None,
+        pieces: PieceCache,
+        observer: RoundObserver | None = None,
+        check_decodes: bool = False,
+        strict_decodes: bool = False,
+        request_id: str = "-",
+        replicator: SlotReplicator | None = None,
+        slot_file: str = "npu-spec-prefill.bin",
+    ) -> None:
+        self.upstream = upstream
+        self.prompt = list(prompt)
+        self.params = params
+        self.n_ctx = n_ctx
+        self.drafter = drafter
+        self.pieces = pieces
+        self.observer = observer
+        self.check_decodes = check_decodes or strict_decodes
+        self.strict_decodes = strict_decodes
+        self.request_id = request_id
+        self.replicator = replicator
+        self.slot_file = slot_file
+        self.result: GenerationResult | None = None
+
+    async def _draft(self, committed: list[int], k: int) -> tuple[list[int], float]:
+        if k <= 0 or self.drafter is None:
+            return [], 0.0
+        started = time.perf_counter()
+        try:
+            draft = await self.drafter.propose(committed, k)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Lossless either way: without a draft the round is plain decoding.
+            log.exception("[%s] drafter failed; plain decoding for this request", self.request_id)
+            if self.observer is not None:
+                self.observer.observe_drafter_failure()
+            self._drafter_failed = True
+            drafter, self.drafter = self.drafter, None
+            await _close_quietly(drafter)
+            return [], (time.perf_counter() - started) * 1e3
+        return draft[:k], (time.perf_counter() - started) * 1e3
+
+    async def _counters(self) -> tuple[int, int]:
+        """(llamacpp:n_decode_total, llamacpp:prompt_tokens_total) right now."""
+        values = await self.upstream.metrics()
+        return int(values["llamacpp:n_decode_total"]), int(values["llamacpp:prompt_tokens_total"])
+
+    async def run(self) -> AsyncIterator[TokenEvent]:
+        state = ServerTextState(
+            self.params.stop, len(self.prompt), self.n_ctx, self.params.n_predict
+        )
+        self._drafter_failed = False
+        rounds: list[RoundRecord] = []
+        started = time.perf_counter()
+        first_round_end: float | None = None
+        n_cached = 0
+        counters_before = await self._counters() if self.check_decodes else None
+        try:
+            while not state.finished:
+                round_start = time.perf_counter()
+                committed = self.prompt + state.tokens
+                # Never draft past what the server may still produce: the last prompt
+                # of the batch must stay below the slot's context, and the round
+                # commits at most k+1 tokens.
+                room = state.remaining()
+                k = max(0, min(self.params.k, room - 1))
+                replicate = (
+                    not rounds
+                    and self.replicator is not None
+                    and self.replicator.available
+                    and len(self.prompt) >= self.replicator.min_prompt
+                    and self.drafter is not None
+                )
+                if replicate:
+                    k = 0  # prefill one slot only; copies of it follow
+                draft, draft_ms = await self._draft(committed, k)
+                verify_start = time.perf_counter()
+                results = await self.upstream.verify(committed, draft)
+                verify_ms = (time.perf_counter() - verify_start) * 1e3
+                if first_round_end is None:
+                    n_cached = results[0].cached
+                acceptance = greedy_accept(draft, [r.token for r in results])
+                n_committed = 0
+                for position, token in enumerate(acceptance.tokens):
+                    piece = await self.pieces.piece(results[position])
+                    event = state.push(token, piece, results[position].is_eog)
+                    n_committed += 1
+                    yield event
+                    if state.finished:
+                        break
+                if replicate and not state.finished:
+                    assert self.replicator is not None
+                    await self.replicator.replicate(
+                        results[0].id_slot, self.params.k, self.slot_file
+                    )
+                if first_round_end is None:
+                    first_round_end = time.perf_counter()
+                decodes = prompt_tokens = None
+                if counters_before is not None:
+                    counters_after = await self._counters()
+                    decodes = counters_after[0] - counters_before[0]
+                    prompt_tokens = counters_after[1] - counters_before[1]
+                    counters_before = counters_after
+                    if decodes != 1 and rounds:  # a first round may prefill in batches
+                        message = (
+                            f"[{self.request_id}] round {len(rounds)} took {decodes} server "
+                            "decodes instead of 1 (check -kvu, --no-cache-idle-slots, -cram 0, -c)"
+                        )
+                        if self.strict_decodes:
+                            raise DecodeCountError(message)
+                        log.warning(message)
+                total_ms = (time.perf_counter() - round_start) * 1e3
+                record = RoundRecord(
+                    n_drafted=len(draft),
+                    n_accepted=acceptance.n_accepted,
+                    n_committed=n_committed,
+                    draft_ms=draft_ms,
+                    verify_ms=verify_ms,
+                    overhead_ms=max(total_ms - draft_ms - verify_ms, 0.0),
+                    decodes=decodes,
+                    prompt_tokens=prompt_tokens,
+                    first=not rounds,
+                )
+                rounds.append(record)
+                if self.observer is not None:
+                    self.observer.observe_round(record)
+        finally:
+            if self.drafter is not None:
+                await _close_quietly(self.drafter)
+        end = time.perf_counter()
+        first_round_end = first_round_end or end
+        self.result = GenerationResult(
+            tokens=list(state.tokens),
+            content=bytes(state.generated),
+            stop_type=state.stop_type,
+            stopping_word=state.stopping_word,
+            truncated=state.truncated,
+            has_new_line=state.has_new_line,
+            n_prompt=len(self.prompt),
+            n_prompt_cached=n_cached,
+            rounds=rounds,
+            prompt_ms=(first_round_end - started) * 1e3,
+            predicted_ms=(end - first_round_end) * 1e3,
+            drafter_failed=self._drafter_failed,
+        )
+        if self.observer is not None:
+            self.observer.observe_generation(len(state.tokens), end - started)
+
+
+async def _close_quietly(drafter: AsyncDrafter | None) -> None:
+    if drafter is None:
+        return
+    try:
+        await drafter.close()
+    except Exception:  # closing must never mask the request's own outcome
+        log.exception("closing the draft session failed")

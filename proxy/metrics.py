@@ -1,0 +1,140 @@
+"""The proxy's own Prometheus metrics (text exposition format, no dependency)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+
+from proxy.engine import RoundRecord
+
+MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        running = 0
+        for bound, count in zip(self.buckets, self.counts, strict=False):
+            running += count
+            lines.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
+        lines.append(f"{name}_sum {self.total:.6g}")
+        lines.append(f"{name}_count {self.n}")
+        return lines
+
+
+class ProxyMetrics:
+    """Round and request statistics; the engine reports into it (RoundObserver)."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.generated_tokens = 0
+        self.accepted_per_position: Counter[int] = Counter()
+        self.drafted_per_position: Counter[int] = Counter()
+        self.requests: Counter[str] = Counter()  # by path taken: speculative / passthrough
+        self.drafter_failures = 0
+        self.decode_check_failures = 0
+        self.draft_ms = Histogram(MS_BUCKETS)
+        self.verify_ms = Histogram(MS_BUCKETS)
+        self.overhead_ms = Histogram(MS_BUCKETS)
+        self.tokens_per_second = Histogram(TPS_BUCKETS)
+
+    def observe_round(self, record: RoundRecord) -> None:
+        self.rounds += 1
+        self.draft_tokens += record.n_drafted
+        self.accepted_tokens += record.n_accepted
+        for position in range(record.n_drafted):
+            self.drafted_per_position[position] += 1
+            if position < record.n_accepted:
+                self.accepted_per_position[position] += 1
+        self.draft_ms.observe(record.draft_ms)
+        self.verify_ms.observe(record.verify_ms)
+        self.overhead_ms.observe(record.overhead_ms)
+        if record.decodes is not None and record.decodes != 1 and not record.first:
+            self.decode_check_failures += 1
+
+    def observe_generation(self, n_tokens: int, seconds: float) -> None:
+        self.generated_tokens += n_tokens
+        if seconds > 0 and n_tokens > 0:
+            self.tokens_per_second.observe(n_tokens / seconds)
+
+    def observe_drafter_failure(self) -> None:
+        self.drafter_failures += 1
+
+    def observe_request(self, path: str) -> None:
+        self.requests[path] += 1
+
+    def render(self) -> str:
+        lines: list[str] = []
+
+        def counter(name: str, help_text: str, value: float) -> None:
+            lines.extend(
+                [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value:g}"]
+            )
+
+        counter("npu_spec_rounds_total", "Draft/verify rounds", self.rounds)
+        counter("npu_spec_draft_tokens_total", "Tokens proposed by the drafter", self.draft_tokens)
+        counter(
+            "npu_spec_accepted_tokens_total", "Draft tokens the target agreed with",
+            self.accepted_tokens,
+        )  # fmt: skip
+        counter(
+            "npu_spec_generated_tokens_total", "Tokens generated on the speculative path",
+            self.generated_tokens,
+        )  # fmt: skip
+        counter(
+            "npu_spec_drafter_failures_total",
+            "Requests that fell back to plain decoding after a drafter error",
+            self.drafter_failures,
+        )
+        counter(
+            "npu_spec_decode_check_failures_total",
+            "Checked rounds where llama-server did not decode exactly once",
+            self.decode_check_failures,
+        )
+        for name, hist_help, per_position in (
+            (
+                "npu_spec_accepted_tokens_per_position_total",
+                "Accepted draft tokens by draft position (0-based)",
+                self.accepted_per_position,
+            ),
+            (
+                "npu_spec_draft_tokens_per_position_total",
+                "Drafted tokens by draft position (0-based)",
+                self.drafted_per_position,
+            ),
+        ):
+            lines += [f"# HELP {name} {hist_help}", f"# TYPE {name} counter"]
+            for position in sorted(self.drafted_per_position):
+                lines.append(f'{name}{{position="{position}"}} {per_position[position]}')
+        name = "npu_spec_requests_total"
+        lines += [f"# HELP {name} Requests by the path that served them", f"# TYPE {name} counter"]
+        for path in ("speculative", "passthrough"):
+            lines.append(f'{name}{{path="{path}"}} {self.requests[path]}')
+        lines += self.draft_ms.render("npu_spec_draft_ms", "Drafting time per round (ms)")
+        lines += self.verify_ms.render("npu_spec_verify_ms", "Verify request time per round (ms)")
+        lines += self.overhead_ms.render(
+            "npu_spec_overhead_ms", "Proxy time per round outside drafting and verifying (ms)"
+        )
+        lines += self.tokens_per_second.render(
+            "npu_spec_tokens_per_second", "Generated tokens per second per speculative request"
+        )
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,218 @@
+"""`npu-spec serve`: the speculative proxy, managed (--target) or attached (--upstream)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from proxy.config import ProxySettings, load_settings
+
+log = logging.getLogger(__name__)
+
+# option -> settings field; every option defaults to "not given" so the environment
+# and the config file can supply it.
+_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("--target",), {"help": "GGUF model: start llama-server with the right flags"}),
+    (("--upstream",), {"help": "URL of a running llama-server to attach to"}),
+    (("--drafter",), {"help": "drafter folder, 'ngram[:sizes]' or 'FOLDER+ngram'"}),
+    (("--provider",), {"help": "drafter execution provider: auto, npu, cuda, cpu"}),
+    (("-k",), {"type": int, "dest": "k", "help": "draft tokens per round"}),
+    (("--host",), {"help": "address to listen on (default 127.0.0.1)"}),
+    (("--port",), {"type": int, "help": "port to listen on (default 8080)"}),
+    (("--llama-server",), {"dest": "llama_server", "help": "llama-server binary"}),
+    (("--ctx",), {"type": int, "help": "context per conversation in tokens (managed)"}),
+    (("--conversations",), {"type": int, "help": "concurrent speculative conversations"}),
+    (("--passthrough-slots",), {"type": int, "dest": "passthrough_slots"}),
+    (("--threads",), {"type": int, "help": "llama-server -t (managed)"}),
+    (("--server-port",), {"type": int, "dest": "server_port"}),
+    (("--server-log",), {"dest": "server_log", "help": "file for llama-server's log"}),
+    (
+        ("--server-arg",),
+        {"action": "append", "dest": "server_args", "help": "extra llama-server argument"},
+    ),
+    (("--when-busy",), {"choices": ["queue", "passthrough"], "dest": "when_busy"}),
+    (("--check-decodes",), {"action": "store_true", "dest": "check_decodes", "default": None}),
+    (
+        ("--attach-policy",),
+        {"choices": ["refuse", "degrade"], "dest": "attach_policy"},
+    ),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML or JSON file with the same option names")
+    for flags, options in _OPTIONS:
+        options = {"default": None, **options}
+        parser.add_argument(*flags, **options)
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    fields = ProxySettings.model_fields
+    given = {
+        name: value for name, value in vars(args).items() if name in fields and value is not None
+    }
+    return load_settings(given, getattr(args, "config", None))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        log.error("invalid settings: %s", exc)
+        return 2
+    try:
+        return asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def target_tokenizer_facts(upstream: Any) -> Any:
+    """The target's tokenizer facts, read from the running server (DESIGN.md §5):
+    vocabulary size, BOS/EOS ids and the ids of the shared probe text."""
+    from npu_draft.tokenizer_check import PROBE_TEXT, target_facts
+
+    props = await upstream.props()
+    models = await upstream.models()
+    meta = (models.get("data") or [{}])[0].get("meta") or {}
+
+    async def special_id(text: str | None) -> int | None:
+        if not text:
+            return None
+        ids = await upstream.tokenize(text, add_special=False, parse_special=True)
+        return ids[0] if len(ids) == 1 else None
+
+    eos = await special_id(props.get("eos_token"))
+    return target_facts(
+        name=str(props.get("model_path") or props.get("model_alias") or upstream.base_url),
+        vocab_size=meta.get("n_vocab"),
+        bos_token_id=await special_id(props.get("bos_token")),
+        eos_token_ids=[] if eos is None else [eos],
+        probe_ids=await upstream.tokenize(PROBE_TEXT, add_special=False, parse_special=True),
+    )
+
+
+def _drafter_opener(
+    settings: ProxySettings, target: Any = None
+) -> tuple[Callable[[], Any] | None, Any]:
+    """(open a session adapter, the loaded model) for the configured drafter; with
+    `target` facts, a drafter built for another tokenizer is refused."""
+    if not settings.drafter:
+        return None, None
+    from npu_draft.load import load_drafter
+    from proxy.engine import AsyncSessionDrafter
+
+    model = load_drafter(settings.drafter, settings.provider, target=target)
+    log.info(
+        "drafter %s: backend %s on %s", model.info.name, model.info.backend, model.info.provider
+    )
+
+    def open_session() -> AsyncSessionDrafter:
+        return AsyncSessionDrafter(model.open_session())
+
+    return open_session, model
+
+
+async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> int:
+    from proxy.api import build_state, create_app
+    from proxy.attach_check import check_upstream
+    from proxy.managed import ServerLayout, managed_server
+    from proxy.upstream import Timeouts, UpstreamClient
+
+    server = None
+    model = None
+    runner: web.AppRunner | None = None
+    upstream: UpstreamClient | None = None
+    errors: list = []
+    temp_slots: Path | None = None
+    try:
+        if settings.target is not None:
+            slot_dir = settings.slot_save_dir
+            if slot_dir is None:  # slot files are ours alone: removed on exit
+                temp_slots = slot_dir = Path(tempfile.mkdtemp(prefix="npu-spec-slots-"))
+            layout = ServerLayout(
+                settings.k, settings.ctx, settings.conversations, settings.passthrough_slots
+            )
+            server = managed_server(
+                Path(settings.target),
+                layout,
+                binary=settings.llama_server,
+                threads=settings.threads,
+                host=settings.server_host,
+                port=settings.server_port,
+                slot_save_dir=slot_dir,
+                extra_args=settings.server_args,
+                log_path=settings.server_log,
+            )
+            await server.start()
+            base_url = server.base_url
+            log.info("managed llama-server at %s (%d slots)", base_url, layout.slots)
+        else:
+            assert settings.upstream is not None
+            base_url = settings.upstream
+            findings = await check_upstream(base_url, settings.k, settings.conversations)
+            errors = [f for f in findings if f.severity == "error"]
+            for finding in findings:
+                level = logging.ERROR if finding.severity == "error" else logging.INFO
+                fix = f" (fix: {finding.fix})" if finding.fix else ""
+                log.log(level, "%s: %s%s", finding.severity, finding.message, fix)
+            if errors and settings.attach_policy == "refuse":
+                log.error(
+                    "refusing to serve speculatively; fix the flags above or pass "
+                    "--attach-policy degrade to pass everything through"
+                )
+                return 1
+        upstream = UpstreamClient(base_url, Timeouts(verify=settings.verify_timeout_s))
+        facts = await target_tokenizer_facts(upstream)
+        open_drafter, model = await asyncio.to_thread(_drafter_opener, settings, facts)
+        if errors:  # attached with --attach-policy degrade
+            open_drafter = None  # every request goes through unchanged
+        state = await build_state(
+            upstream,
+            settings.k,
+            open_drafter,
+            check_decodes=settings.check_decodes,
+            strict_decodes=settings.strict_decodes,
+            when_busy=settings.when_busy,
+            queue_timeout_s=settings.queue_timeout_s,
+        )
+        runner = web.AppRunner(create_app(state), handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        log.info("npu-spec proxy on http://%s:%d -> %s", settings.host, settings.port, base_url)
+        if ready is not None:
+            ready.set()
+        await _wait_for_signal()
+        return 0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        if upstream is not None:
+            await upstream.close()
+        if model is not None:
+            with contextlib.suppress(Exception):
+                model.close()
+        if server is not None:
+            await server.stop()
+        if temp_slots is not None:
+            shutil.rmtree(temp_slots, ignore_errors=True)
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

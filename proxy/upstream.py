@@ -1,0 +1,291 @@
+"""Client for one unmodified llama-server: the only module that speaks its HTTP API.
+
+Every call goes through one keep-alive connection pool and has a timeout. Transport
+failures and 5xx answers raise `UpstreamError`, which the API turns into a 502/503
+that names the upstream and the reason; a 4xx answer from the server is a client
+error and comes back as `UpstreamClientError` carrying the server's own JSON body.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+# Keys the verify batch needs back from each result; everything else is trimmed.
+VERIFY_FIELDS = ["index", "tokens", "content", "stop_type", "timings/cache_n", "id_slot"]
+
+# The greedy sampler chain: top_k = 1 keeps only the argmax, exactly what the server
+# picks at temperature 0 with its default chain.
+GREEDY_VERIFY_PARAMS: dict[str, Any] = {
+    "n_predict": 1,
+    "cache_prompt": True,
+    "return_tokens": True,
+    "temperature": 0.0,
+    "top_k": 1,
+    "samplers": ["top_k"],
+    "stream": False,
+    "response_fields": VERIFY_FIELDS,
+}
+
+
+class UpstreamError(Exception):
+    """llama-server could not be reached or failed; maps to 502 (bad answer) or 503."""
+
+    def __init__(self, base_url: str, reason: str, status: int = 502) -> None:
+        super().__init__(f"upstream llama-server at {base_url}: {reason}")
+        self.base_url = base_url
+        self.reason = reason
+        self.status = status
+
+
+class UpstreamClientError(Exception):
+    """llama-server refused the request (4xx); `body` is its JSON error, passed on as is."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        message = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
+        super().__init__(f"llama-server answered {status}: {message}")
+        self.status = status
+        self.body = body
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The target's greedy next token after one prompt of the verify batch."""
+
+    token: int
+    piece: str  # the token's text as the server appends it (U+FFFD where UTF-8 is partial)
+    is_eog: bool  # the server stopped with stop_type "eos": an end-of-generation token
+    cached: int = 0  # prompt tokens the slot reused from its cache (timings.cache_n)
+    id_slot: int = -1  # the slot that served this prompt
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 5.0
+    control: float = 30.0  # props, tokenize, metrics, ...
+    verify: float = 600.0  # a first round may prefill a long prompt on a slow CPU
+
+
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus text page (enough for llama-server's counters)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _METRIC_LINE.match(line)
+        if match:
+            try:
+                values[match.group(1)] = float(match.group(2))
+            except ValueError:
+                continue
+    return values
+
+
+class UpstreamClient:
+    def __init__(
+        self, base_url: str, timeouts: Timeouts | None = None, pool_size: int = 64
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeouts = timeouts or Timeouts()
+        self._pool_size = pool_size
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._pool_size, keepalive_timeout=60)
+            # auto_decompress off: pass-through must hand bodies on byte for byte.
+            self._session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, raise_for_status=False
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> UpstreamClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def _timeout(self, total: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total, connect=self.timeouts.connect)
+
+    async def _request_json(
+        self, method: str, path: str, body: Any = None, timeout: float | None = None
+    ) -> Any:
+        url = self.base_url + path
+        try:
+            async with self.session.request(
+                method,
+                url,
+                data=None if body is None else json.dumps(body),
+                headers={"Content-Type": "application/json"} if body is not None else None,
+                timeout=self._timeout(timeout or self.timeouts.control),
+            ) as response:
+                raw = await response.read()
+                status = response.status
+        except TimeoutError as exc:
+            raise UpstreamError(self.base_url, f"{method} {path} timed out", 504) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(self.base_url, f"cannot connect ({exc.os_error})", 503) from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(self.base_url, f"{method} {path} failed: {exc!r}", 502) from exc
+        try:
+            payload = json.loads(raw) if raw else None
+        except ValueError as exc:
+            raise UpstreamError(
+                self.base_url, f"{method} {path} returned non-JSON (HTTP {status})"
+            ) from exc
+        if status == 503:
+            message = _error_message(payload) or "unavailable"
+            raise UpstreamError(self.base_url, f"{method} {path}: {message}", 503)
+        if 400 <= status < 500:
+            raise UpstreamClientError(status, payload if isinstance(payload, dict) else {})
+        if status >= 500:
+            message = _error_message(payload) or f"HTTP {status}"
+            raise UpstreamError(self.base_url, f"{method} {path}: {message}", 502)
+        return payload
+
+    # -- endpoints ---------------------------------------------------------------
+
+    async def health(self) -> dict[str, Any]:
+        return await self._request_json("GET", "/health")
+
+    async def props(self) -> dict[str, Any]:
+        return await self._request_json("GET", "/props")
+
+    async def models(self) -> dict[str, Any]:
+        return await self._request_json("GET", "/v1/models")
+
+    async def slots(self) -> list[dict[str, Any]]:
+        return await self._request_json("GET", "/slots")
+
+    async def slot_action(self, id_slot: int, action: str, filename: str) -> dict[str, Any]:
+        """`/slots/{id}?action=save|restore` (needs --slot-save-path on the server)."""
+        return await self._request_json(
+            "POST", f"/slots/{int(id_slot)}?action={action}", {"filename": filename}
+        )
+
+    async def metrics_text(self) -> str:
+        url = self.base_url + "/metrics"
+        try:
+            async with self.session.get(
+                url, timeout=self._timeout(self.timeouts.control)
+            ) as response:
+                text = await response.text()
+                if response.status != 200:
+                    raise UpstreamError(
+                        self.base_url,
+                        f"GET /metrics: HTTP {response.status} (start llama-server with --metrics)",
+                        502,
+                    )
+                return text
+        except TimeoutError as exc:
+            raise UpstreamError(self.base_url, "GET /metrics timed out", 504) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(self.base_url, f"cannot connect ({exc.os_error})", 503) from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(self.base_url, f"GET /metrics failed: {exc!r}", 502) from exc
+
+    async def metrics(self) -> dict[str, float]:
+        return parse_prometheus(await self.metrics_text())
+
+    async def n_decode_total(self) -> int:
+        values = await self.metrics()
+        if "llamacpp:n_decode_total" not in values:
+            raise UpstreamError(self.base_url, "no llamacpp:n_decode_total in /metrics", 502)
+        return int(values["llamacpp:n_decode_total"])
+
+    async def tokenize(
+        self,
+        content: str | Sequence[str | int],
+        add_special: bool = False,
+        parse_special: bool = True,
+    ) -> list[int]:
+        body = {"content": content, "add_special": add_special, "parse_special": parse_special}
+        payload = await self._request_json("POST", "/tokenize", body)
+        return [int(t) for t in payload["tokens"]]
+
+    async def token_bytes(self, token: int) -> bytes:
+        """Exact bytes of one token's piece (the server sends invalid UTF-8 as a byte list)."""
+        body = {"content": [int(token)], "with_pieces": True}
+        payload = await self._request_json("POST", "/tokenize", body)
+        piece = payload["tokens"][0]["piece"]
+        return piece.encode("utf-8") if isinstance(piece, str) else bytes(piece)
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        payload = await self._request_json("POST", "/detokenize", {"tokens": list(tokens)})
+        return payload["content"]
+
+    async def apply_template(self, body: dict[str, Any]) -> str:
+        """The prompt text the server itself builds for an OpenAI chat request."""
+        payload = await self._request_json("POST", "/apply-template", body)
+        return payload["prompt"]
+
+    async def completion(self, body: dict[str, Any]) -> Any:
+        """A plain `/completion` call (non-streaming), for probes."""
+        return await self._request_json("POST", "/completion", body, timeout=self.timeouts.verify)
+
+    async def verify(self, context: Sequence[int], draft: Sequence[int]) -> list[VerifyResult]:
+        """Score `draft` after `context` in one batched pass (DESIGN.md §2).
+
+        Returns k+1 results: result i is the target's greedy token after
+        context + draft[:i]. No `id_slot`, no `n_cmpl`: each prompt must pick the
+        idle slot sharing its longest prefix.
+        """
+        context = list(context)
+        prompts = [context + list(draft[:i]) for i in range(len(draft) + 1)]
+        body = {"prompt": prompts, **GREEDY_VERIFY_PARAMS}
+        payload = await self._request_json(
+            "POST", "/completion", body, timeout=self.timeouts.verify
+        )
+        results = payload if isinstance(payload, list) else [payload]
+        if len(results) != len(prompts):
+            raise UpstreamError(
+                self.base_url,
+                f"verify batch of {len(prompts)} prompts returned {len(results)} results",
+            )
+        by_index = sorted(results, key=lambda r: r.get("index", 0))
+        out: list[VerifyResult] = []
+        for result in by_index:
+            tokens = result.get("tokens") or []
+            if len(tokens) != 1:
+                raise UpstreamError(
+                    self.base_url, f"verify result without exactly one token: {result!r}"
+                )
+            out.append(
+                VerifyResult(
+                    token=int(tokens[0]),
+                    piece=result.get("content", ""),
+                    is_eog=result.get("stop_type") == "eos",
+                    cached=int(result.get("timings/cache_n", 0)),
+                    id_slot=int(result.get("id_slot", -1)),
+                )
+            )
+        return out
+
+
+def _error_message(payload: Any) -> str | None:
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict):
+            return error.get("message")
+        if isinstance(error, str):
+            return error
+    return None

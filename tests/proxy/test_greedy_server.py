@@ -1,0 +1,254 @@
+"""Greedy output through the proxy equals llama-server alone, against real servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.engine import Generation, GenerationParams, PieceCache, SlotReplicator
+from proxy.upstream import UpstreamClient
+from tests.proxy.conftest import CTX, run_proxy
+from tests.proxy.helpers import assert_greedy_equal, parse_sse, post_json, shape, tokenize
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+PROMPTS = [
+    "Once upon a time",
+    "def fibonacci(n):\n    ",
+    "The capital of France is",
+]
+
+# (prompt, new tokens, k, drafter): small enough for two CPU cores, wide enough to
+# cover k = 1..8, lengths 1..512, full acceptance, partial acceptance and none.
+GRID = [
+    (0, 1, 1, "reference"),
+    (1, 17, 3, "reference"),
+    (2, 64, 8, "reference"),
+    (0, 512, 8, "reference"),
+    (1, 40, 4, "ngram"),
+    (2, 48, 5, "reference:noisy:0.05"),
+    (0, 24, 2, "reference:unrelated"),
+    (1, 40, 4, "onnx"),
+    (2, 40, 6, "genai"),
+]
+
+# Fields whose values depend on time, cache state or slot choice, not on the output.
+VOLATILE = {"timings", "id_slot", "tokens_cached"}
+
+
+@pytest.mark.parametrize(("prompt_index", "n_predict", "k", "drafter"), GRID)
+async def test_native_completion_matches_server(
+    http, ref_server, spec_server, drafter_for, prompt_index, n_predict, k, drafter
+):
+    body = {
+        "prompt": PROMPTS[prompt_index],
+        "n_predict": n_predict,
+        "temperature": 0,
+        "return_tokens": True,
+    }
+    expected = await post_json(http, ref_server + "/completion", body)
+    prompt = await tokenize(http, ref_server, PROMPTS[prompt_index])
+    async with run_proxy(spec_server, drafter_for(drafter), k, check_decodes=True) as proxy:
+        status, got, headers = await proxy.post("/completion", body)
+        assert status == 200, got
+        assert headers["X-Npu-Spec"] == "speculative"
+        compared = await assert_greedy_equal(
+            http, ref_server, prompt, expected["tokens"], got["tokens"]
+        )
+        if compared == len(expected["tokens"]):  # no near-tie: the whole answer is equal
+            for key in set(expected) - VOLATILE:
+                assert got[key] == expected[key], key
+        assert shape(got) == shape(expected) or _shape_without_drafts(got) == shape(expected)
+        metrics = proxy.state.metrics
+        # One llama_decode per verify round, every round (the first included: its
+        # k+1 prompts fit one batch).
+        assert metrics.rounds > 0
+        assert metrics.decode_check_failures == 0
+        timings = got["timings"]
+        if metrics.draft_tokens:
+            assert timings["draft_n"] == metrics.draft_tokens
+            assert timings["draft_n_accepted"] == metrics.accepted_tokens
+        if drafter == "reference":  # the same weights: every draft token is accepted
+            assert metrics.accepted_tokens == metrics.draft_tokens
+
+
+def _shape_without_drafts(body: dict) -> dict:
+    """llama-server alone reports no draft counters; the proxy adds them."""
+    out = shape(body)
+    out["timings"].pop("draft_n", None)
+    out["timings"].pop("draft_n_accepted", None)
+    return out
+
+
+async def test_engine_one_decode_per_round(spec_server, reference_drafter, http, ref_server):
+    """Engine-level: n_decode_total grows by exactly one per round, round by round."""
+    prompt = await tokenize(http, ref_server, PROMPTS[1])
+    expected = await post_json(
+        http,
+        ref_server + "/completion",
+        {"prompt": prompt, "n_predict": 30, "temperature": 0, "return_tokens": True},
+    )
+    async with UpstreamClient(spec_server) as upstream:
+        props = await upstream.props()
+        generation = Generation(
+            upstream,
+            prompt,
+            GenerationParams(n_predict=30, k=6),
+            n_ctx=props["default_generation_settings"]["n_ctx"],
+            drafter=reference_drafter(),
+            pieces=PieceCache(upstream),
+            check_decodes=True,
+            strict_decodes=True,
+        )
+        tokens = [event.token async for event in generation.run()]
+    result = generation.result
+    assert result is not None
+    await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
+    assert [r.decodes for r in result.rounds] == [1] * len(result.rounds)
+    assert len(result.rounds) == 5  # 30 tokens, 7 per round with everything accepted
+    # No re-prefill: each of the k+1 slots ingests at most the tokens committed last
+    # round plus its share of the draft (idle-slot caching would make it hundreds).
+    k = 6
+    for previous, current in zip(result.rounds, result.rounds[1:], strict=False):
+        bound = (k + 1) * previous.n_committed + k * (k + 1) // 2
+        assert current.prompt_tokens <= bound, (current.prompt_tokens, bound)
+
+
+async def test_streaming_equals_non_streaming_and_server(
+    http, ref_server, spec_server, reference_drafter
+):
+    body = {"prompt": PROMPTS[0], "n_predict": 40, "temperature": 0, "stream": True}
+    async with http.post(ref_server + "/completion", json=body) as response:
+        ref_events, ref_done = parse_sse(await response.read())
+    async with run_proxy(spec_server, reference_drafter, 4) as proxy:
+        async with proxy.session.post(proxy.url + "/completion", json=body) as response:
+            assert response.status == 200
+            assert response.headers["X-Npu-Spec"] == "speculative"
+            assert response.content_type == "text/event-stream"
+            events, done = parse_sse(await response.read())
+        _, plain, _ = await proxy.post("/completion", {**body, "stream": False})
+    assert not done and not ref_done  # the native stream has no [DONE]
+    assert [(e["content"], e.get("tokens")) for e in events[:-1]] == [
+        (e["content"], e.get("tokens")) for e in ref_events[:-1]
+    ]
+    assert "".join(e["content"] for e in events) == plain["content"]
+    final, ref_final = events[-1], ref_events[-1]
+    assert final["stop"] is True and final["content"] == ""
+    for key in ("stop_type", "stopping_word", "tokens_predicted", "truncated", "prompt"):
+        assert final[key] == ref_final[key], key
+    assert set(final) == set(ref_final)
+    assert set(events[0]) == set(ref_events[0])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_strings_across_token_boundaries(
+    http, ref_server, spec_server, reference_drafter, stream
+):
+    """A stop string that starts inside one token and ends in the next (and a second
+    one that never occurs) stops where llama-server stops."""
+    probe = await post_json(
+        http,
+        ref_server + "/completion",
+        {"prompt": PROMPTS[2], "n_predict": 30, "temperature": 0, "return_tokens": True},
+    )
+    pieces = []
+    for token in probe["tokens"]:
+        detok = await post_json(http, ref_server + "/detokenize", {"tokens": [token]})
+        pieces.append(detok["content"])
+    # the first boundary after token 5 where both sides have at least 2 characters
+    i = next(j for j in range(5, len(pieces) - 1) if len(pieces[j]) >= 2 and pieces[j + 1])
+    stop = pieces[i][-2:] + pieces[i + 1][:1]
+    body = {
+        "prompt": PROMPTS[2],
+        "n_predict": 30,
+        "temperature": 0,
+        "stop": ["never-occurs-xyz", stop],
+        "stream": stream,
+    }
+    async with run_proxy(spec_server, reference_drafter, 8) as proxy:
+        if stream:
+            async with http.post(ref_server + "/completion", json=body) as response:
+                expected, _ = parse_sse(await response.read())
+            async with proxy.session.post(proxy.url + "/completion", json=body) as response:
+                got, _ = parse_sse(await response.read())
+            assert [e["content"] for e in got] == [e["content"] for e in expected]
+            assert "timings" in got[-2] and "timings" in expected[-2]  # the stop chunk
+            expected, got = expected[-1], got[-1]
+        else:
+            expected = await post_json(http, ref_server + "/completion", body)
+            status, got, _ = await proxy.post("/completion", body)
+            assert status == 200
+            assert got["content"] == expected["content"]
+    assert got["stop_type"] == expected["stop_type"] == "word"
+    assert got["stopping_word"] == expected["stopping_word"] == stop
+    assert got["tokens_predicted"] == expected["tokens_predicted"] == i + 2
+
+
+async def test_context_limit_stops_where_server_stops(
+    http, ref_server, spec_server, reference_drafter
+):
+    """No n_predict: generation runs into the slot's context and is truncated there."""
+    prompt = (await tokenize(http, ref_server, PROMPTS[0] * 200))[: CTX - 21]
+    body = {"prompt": prompt, "temperature": 0, "return_tokens": True}
+    expected = await post_json(http, ref_server + "/completion", body)
+    async with run_proxy(spec_server, reference_drafter, 8) as proxy:
+        status, got, _ = await proxy.post("/completion", body)
+    assert status == 200, got
+    assert expected["truncated"] is True and expected["stop_type"] == "limit"
+    await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], got["tokens"])
+    for key in ("truncated", "stop_type", "tokens_predicted", "content"):
+        assert got[key] == expected[key], key
+
+
+async def test_prompt_longer_than_context_is_the_servers_error(
+    http, ref_server, spec_server, reference_drafter
+):
+    prompt = (await tokenize(http, ref_server, PROMPTS[0] * 300))[: CTX + 10]
+    body = {"prompt": prompt, "n_predict": 4, "temperature": 0}
+    async with http.post(ref_server + "/completion", json=body) as response:
+        ref_status, expected = response.status, await response.json()
+    async with run_proxy(spec_server, reference_drafter, 4) as proxy:
+        status, got, headers = await proxy.post("/completion", body)
+        assert proxy.state.scheduler.active == 0
+    assert status == ref_status == 400
+    assert got == expected
+    assert got["error"]["type"] == "exceed_context_size_error"
+    assert headers["X-Npu-Spec"] == "speculative"
+
+
+async def test_cold_start_copies_the_prefilled_slot(
+    spec_server, reference_drafter, http, ref_server
+):
+    """A long prompt is prefilled once and restored into the other k slots: the first
+    verify batch then ingests a few tokens per slot, not k more prefills."""
+    prompt = (await tokenize(http, ref_server, PROMPTS[2] * 60))[:300]
+    k = 4
+    expected = await post_json(
+        http,
+        ref_server + "/completion",
+        {"prompt": prompt, "n_predict": 16, "temperature": 0, "return_tokens": True},
+    )
+    async with UpstreamClient(spec_server) as upstream:
+        props = await upstream.props()
+        replicator = SlotReplicator(upstream)
+        generation = Generation(
+            upstream,
+            prompt,
+            GenerationParams(n_predict=16, k=k),
+            n_ctx=props["default_generation_settings"]["n_ctx"],
+            drafter=reference_drafter(),
+            pieces=PieceCache(upstream),
+            check_decodes=True,
+            strict_decodes=True,
+            replicator=replicator,
+            slot_file="npu-spec-test-cold-start.bin",
+        )
+        tokens = [event.token async for event in generation.run()]
+    result = generation.result
+    assert replicator.available
+    await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
+    first, second = result.rounds[0], result.rounds[1]
+    assert first.n_drafted == 0 and first.n_committed == 1
+    assert first.prompt_tokens <= len(prompt)  # one prefill (less if cached)
+    assert second.n_drafted == k
+    assert second.prompt_tokens <= (k + 1) * 1 + k * (k + 1) // 2, second
+    assert all(r.decodes == 1 for r in result.rounds)

@@ -1,0 +1,409 @@
+"""Unit tests with fakes: acceptance, text state, engine loop, scheduler, config, flags."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from proxy.acceptance import greedy_accept
+from proxy.api.requests import NotEligible, parse_chat, parse_completion, parse_prompt
+from proxy.api.shapes import split_reasoning, thinking_prefix
+from proxy.config import ProxySettings, load_settings
+from proxy.engine import (
+    Generation,
+    GenerationParams,
+    PieceCache,
+    ServerTextState,
+    find_partial_stop,
+    valid_utf8_prefix,
+)
+from proxy.managed import ServerLayout, verification_flags
+from proxy.metrics import ProxyMetrics
+from proxy.scheduler import SchedulerBusy, SlotScheduler
+from proxy.upstream import VerifyResult, parse_prometheus
+
+# -- acceptance ----------------------------------------------------------------------
+
+
+def test_greedy_accept_all_then_bonus():
+    result = greedy_accept([5, 6, 7], [5, 6, 7, 8])
+    assert result.n_accepted == 3 and result.tokens == [5, 6, 7, 8] and result.bonus
+
+
+def test_greedy_accept_stops_at_first_disagreement():
+    result = greedy_accept([5, 9, 7], [5, 6, 7, 8])
+    assert result.n_accepted == 1 and result.tokens == [5, 6] and not result.bonus
+
+
+def test_greedy_accept_no_draft_is_plain_decoding():
+    assert greedy_accept([], [42]).tokens == [42]
+
+
+def test_greedy_accept_checks_lengths():
+    with pytest.raises(ValueError):
+        greedy_accept([1, 2], [1, 2])
+
+
+# -- text state (the server's process_token) ------------------------------------------
+
+
+def test_utf8_prefix_cuts_only_an_incomplete_tail():
+    euro = "€".encode()  # 3 bytes
+    assert valid_utf8_prefix(b"ab" + euro) == 5
+    assert valid_utf8_prefix(b"ab" + euro[:2]) == 2
+    assert valid_utf8_prefix(b"ab" + euro[:1]) == 2
+    assert valid_utf8_prefix("😀".encode()[:3]) == 0
+
+
+def test_partial_stop_finds_longest_prefix_at_the_end():
+    assert find_partial_stop(b"hello wo", b"world") == 6
+    assert find_partial_stop(b"hello", b"world") == -1
+    assert find_partial_stop(b"xx", b"") == -1
+
+
+def _push_all(state, pieces, eog_last=False):
+    events = []
+    for i, piece in enumerate(pieces):
+        events.append(state.push(i, piece, eog_last and i == len(pieces) - 1))
+        if state.finished:
+            break
+    return events
+
+
+def test_stop_string_across_tokens_is_held_back_then_cut():
+    state = ServerTextState(["STOP"], n_prompt=3, n_ctx=100, n_predict=-1)
+    events = _push_all(state, [b"ab", b"cS", b"TO", b"Pzz", b"never"])
+    # the server holds back ALL unsent text while its tail may start a stop string
+    assert [e.text for e in events] == [b"ab", b"", b"", b"c"]
+    assert events[-1].stopped_by_word
+    assert bytes(state.generated) == b"abc"
+    assert state.stop_type == "word" and state.stopping_word == "STOP"
+    assert len(state.tokens) == 4
+
+
+def test_held_back_text_is_released_when_the_stop_does_not_complete():
+    state = ServerTextState(["STOP"], n_prompt=3, n_ctx=100, n_predict=-1)
+    events = _push_all(state, [b"aS", b"Tx"])
+    assert [e.text for e in events] == [b"", b"aSTx"]
+
+
+def test_incomplete_utf8_token_sends_nothing():
+    euro = "€".encode()
+    state = ServerTextState([], n_prompt=1, n_ctx=100, n_predict=-1)
+    events = _push_all(state, [euro[:1], euro[1:]])
+    assert [(e.sent, e.text) for e in events] == [(False, b""), (True, euro)]
+
+
+def test_n_predict_and_context_limits():
+    state = ServerTextState([], n_prompt=5, n_ctx=100, n_predict=2)
+    _push_all(state, [b"a", b"b", b"c"])
+    assert state.stop_type == "limit" and len(state.tokens) == 2 and not state.truncated
+    state = ServerTextState([], n_prompt=5, n_ctx=8, n_predict=-1)
+    _push_all(state, [b"a", b"b", b"c", b"d"])
+    assert state.truncated and state.stop_type == "limit" and len(state.tokens) == 3
+
+
+def test_eos_wins_and_adds_no_text():
+    state = ServerTextState([], n_prompt=5, n_ctx=100, n_predict=2)
+    _push_all(state, [b"a", b""], eog_last=True)
+    assert state.stop_type == "eos"
+
+
+# -- engine loop with a fake server ---------------------------------------------------
+
+
+class FakeUpstream:
+    """A 'server' whose greedy continuation of anything is a fixed script."""
+
+    def __init__(self, script: list[int], eog: set[int] = frozenset()):
+        self.script = script
+        self.eog = eog
+        self.calls: list[tuple[int, list[int]]] = []
+        self.decodes = 0
+
+    def _next(self, sequence: list[int], n_prompt: int) -> int:
+        return self.script[len(sequence) - n_prompt]
+
+    async def verify(self, context, draft):
+        self.calls.append((len(context), list(draft)))
+        self.decodes += 1
+        n_prompt = 2
+        results = []
+        for i in range(len(draft) + 1):
+            token = self._next(list(context) + list(draft[:i]), n_prompt)
+            results.append(VerifyResult(token, f"<{token}>", token in self.eog, 0, id_slot=0))
+        return results
+
+    async def metrics(self):
+        return {"llamacpp:n_decode_total": self.decodes, "llamacpp:prompt_tokens_total": 0}
+
+    async def token_bytes(self, token):  # pragma: no cover - pieces here are plain ASCII
+        raise AssertionError
+
+
+class ScriptDrafter:
+    def __init__(self, script: list[int], n_prompt: int, wrong_at: set[int] = frozenset()):
+        self.script, self.n_prompt, self.wrong_at = script, n_prompt, wrong_at
+        self.closed = False
+
+    async def propose(self, committed, k):
+        start = len(committed) - self.n_prompt
+        out = []
+        for i in range(start, min(start + k, len(self.script))):
+            out.append(-1 if i in self.wrong_at else self.script[i])
+        return out
+
+    async def close(self):
+        self.closed = True
+
+
+async def _run(upstream, drafter, n_predict=-1, k=4, n_ctx=1000, stop=()):
+    generation = Generation(
+        upstream,
+        [1, 2],
+        GenerationParams(n_predict=n_predict, stop=list(stop), k=k),
+        n_ctx=n_ctx,
+        drafter=drafter,
+        pieces=PieceCache(upstream),
+        check_decodes=True,
+        strict_decodes=True,
+    )
+    tokens = [event.token async for event in generation.run()]
+    return tokens, generation.result
+
+
+async def test_engine_stops_at_eos_inside_an_accepted_run():
+    script = [10, 11, 12, 99, 13, 14, 15, 16, 17]
+    upstream = FakeUpstream(script, eog={99})
+    drafter = ScriptDrafter(script, 2)
+    tokens, result = await _run(upstream, drafter, k=8)
+    assert tokens == [10, 11, 12, 99]
+    assert result.stop_type == "eos" and drafter.closed
+    assert result.content == b"<10><11><12><99>"  # the piece as the server reported it
+
+
+async def test_engine_never_drafts_past_n_predict():
+    script = list(range(100, 130))
+    upstream = FakeUpstream(script)
+    tokens, result = await _run(upstream, ScriptDrafter(script, 2), n_predict=7, k=4)
+    assert tokens == script[:7]
+    assert [len(draft) for _, draft in upstream.calls] == [4, 1]  # 5 + 2 tokens
+    assert result.stop_type == "limit"
+
+
+async def test_engine_keeps_prompts_inside_the_context():
+    script = list(range(100, 130))
+    upstream = FakeUpstream(script)
+    tokens, result = await _run(upstream, ScriptDrafter(script, 2), k=8, n_ctx=9)
+    # the server alone stops when prompt + generated reaches n_ctx
+    assert tokens == script[:7] and result.truncated
+    assert all(n + len(d) < 9 for n, d in upstream.calls)
+
+
+async def test_engine_rejection_and_stats():
+    script = list(range(100, 130))
+    upstream = FakeUpstream(script)
+    tokens, result = await _run(upstream, ScriptDrafter(script, 2, wrong_at={2}), n_predict=10)
+    assert tokens == script[:10]
+    assert result.rounds[0].n_accepted == 2 and result.rounds[0].n_committed == 3
+    assert result.draft_n_accepted < result.draft_n
+    assert all(r.decodes == 1 for r in result.rounds)
+
+
+class BrokenDrafter:
+    closed = False
+
+    async def propose(self, committed, k):
+        raise RuntimeError("boom")
+
+    async def close(self):
+        BrokenDrafter.closed = True
+
+
+async def test_engine_falls_back_to_plain_decoding_when_the_drafter_fails():
+    script = list(range(100, 110))
+    upstream = FakeUpstream(script)
+    metrics = ProxyMetrics()
+    generation = Generation(
+        upstream, [1, 2], GenerationParams(n_predict=5, k=4), 1000, BrokenDrafter(),
+        PieceCache(upstream), observer=metrics,
+    )  # fmt: skip
+    tokens = [event.token async for event in generation.run()]
+    assert tokens == script[:5]
+    assert generation.result.drafter_failed and metrics.drafter_failures == 1
+    assert BrokenDrafter.closed
+    assert [len(d) for _, d in upstream.calls] == [0] * 5
+
+
+# -- request eligibility -----------------------------------------------------------
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "n_predict": -1, "repeat_penalty": 1.0}
+
+
+def test_greedy_native_request_is_eligible():
+    prompt, params = parse_completion(
+        {"prompt": "hi", "n_predict": 5, "temperature": 0, "stop": "x"}, DEFAULTS, oai=False
+    )
+    assert prompt == "hi" and params.n_predict == 5 and params.stop == ["x"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "hi"},  # the server's default temperature 0.8 samples
+        {"prompt": "hi", "temperature": 0, "grammar": "root ::= [a-z]"},
+        {"prompt": "hi", "temperature": 0, "n_probs": 2},
+        {"prompt": "hi", "temperature": 0, "repeat_penalty": 1.1},
+        {"prompt": "hi", "temperature": 0, "n_predict": "x"},
+        {"prompt": ["a", "b"], "temperature": 0},
+        {"prompt": "hi", "temperature": 0, "n_predict": 3, "max_tokens": 4},
+        {"prompt": "hi", "temperature": 0, "unknown_field": 1},
+    ],
+)
+def test_requests_outside_the_engine_are_not_eligible(body):
+    with pytest.raises(NotEligible):
+        parse_completion(body, DEFAULTS, oai=False)
+
+
+def test_prompt_forms():
+    assert parse_prompt([1, 2, 3]) == [1, 2, 3]
+    assert parse_prompt([[1, 2]]) == [1, 2]
+    assert parse_prompt(["a", 5]) == ["a", 5]
+    assert parse_prompt(["only"]) == "only"
+    for several_or_bad in ([True, 2], ["a", "b"], [], [["a"]], {"prompt_string": "x"}):
+        with pytest.raises(NotEligible):
+            parse_prompt(several_or_bad)
+
+
+def test_chat_with_tools_or_images_passes_through():
+    base = {"temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat(base, DEFAULTS).n_predict == -1
+    for extra in (
+        {"tools": []},
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"n": 2},
+        {"logprobs": True},
+        {"response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A"}]},
+    ):
+        with pytest.raises(NotEligible):
+            parse_chat({**base, **extra}, DEFAULTS)
+
+
+# -- chat parsing ------------------------------------------------------------------
+
+
+def test_reasoning_split_like_the_servers_parser():
+    msg = split_reasoning("<think>\nplan\n</think>\n\nanswer ")
+    assert (msg.reasoning_content, msg.content) == ("\nplan\n", "answer ")
+    assert split_reasoning("  plain").content == "plain"
+    prefix = thinking_prefix("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    msg = split_reasoning(" text", prefix)
+    assert (msg.reasoning_content, msg.content) == ("", "text")
+    assert thinking_prefix("<|im_start|>user\n<think><|im_end|>\n<|im_start|>assistant\n") == ""
+
+
+# -- scheduler ---------------------------------------------------------------------
+
+
+async def test_scheduler_queues_in_order_and_frees_on_cancel():
+    scheduler = SlotScheduler(total_slots=7, group_size=3)  # two groups
+    assert scheduler.n_groups == 2
+    assert await scheduler.acquire() == 0
+    assert await scheduler.acquire() == 1
+    waiter = asyncio.create_task(scheduler.acquire())
+    cancelled = asyncio.create_task(scheduler.acquire())
+    await asyncio.sleep(0)
+    assert scheduler.queued == 2
+    cancelled.cancel()
+    await asyncio.sleep(0.01)
+    assert scheduler.queued == 1
+    scheduler.release(1)
+    assert await asyncio.wait_for(waiter, 1) == 1  # handed over, never free in between
+    assert scheduler.active == 2
+    scheduler.release(0)
+    scheduler.release(1)
+    assert scheduler.active == 0
+
+
+async def test_scheduler_passthrough_policy_and_timeout():
+    scheduler = SlotScheduler(3, 3, when_busy="passthrough")
+    async with scheduler.lease():
+        with pytest.raises(SchedulerBusy):
+            await scheduler.acquire()
+    queued = SlotScheduler(3, 3, queue_timeout_s=0.05)
+    assert await queued.acquire() == 0
+    with pytest.raises(SchedulerBusy):
+        await queued.acquire()
+    assert queued.queued == 0
+    with pytest.raises(SchedulerBusy):
+        await SlotScheduler(2, 3).acquire()  # fewer slots than one group
+
+
+# -- config, flags, metrics ------------------------------------------------------------
+
+
+def test_settings_precedence_cli_over_env_over_file(tmp_path: Path, monkeypatch):
+    config = tmp_path / "npu-spec.toml"
+    config.write_text('upstream = "http://file:1"\nk = 3\nport = 9000\nllama-server = "/x"\n')
+    monkeypatch.setenv("NPU_SPEC_K", "5")
+    settings = load_settings({"port": 9100}, config)
+    assert settings.upstream == "http://file:1"
+    assert settings.k == 5 and settings.port == 9100 and settings.llama_server == Path("/x")
+
+
+def test_settings_need_exactly_one_target():
+    with pytest.raises(ValueError):
+        ProxySettings()
+    with pytest.raises(ValueError):
+        ProxySettings(target="m.gguf", upstream="http://x")
+
+
+def test_managed_flags():
+    layout = ServerLayout(k=4, ctx_per_conversation=1000, conversations=2, passthrough_slots=1)
+    flags = verification_flags(layout, Path("/slots"))
+    joined = " ".join(flags)
+    assert "-np 11" in joined and "-c 11264" in joined and "--kv-unified-per-slot 1024" in joined
+    for flag in ("-kvu", "--no-cache-idle-slots", "--metrics"):
+        assert flag in flags
+    assert "-cram 0" in joined and "--slot-save-path /slots" in joined
+    assert "id_slot" not in joined
+
+
+def test_metrics_render_and_parse():
+    from proxy.engine import RoundRecord
+
+    metrics = ProxyMetrics()
+    metrics.observe_round(RoundRecord(4, 2, 3, 5.0, 20.0, 1.0, decodes=1))
+    metrics.observe_generation(30, 1.5)
+    values = parse_prometheus(metrics.render())
+    assert values["npu_spec_rounds_total"] == 1
+    assert values["npu_spec_draft_tokens_total"] == 4
+    assert values["npu_spec_accepted_tokens_total"] == 2
+    assert values["npu_spec_verify_ms_count"] == 1
+    page = metrics.render()
+    assert 'npu_spec_accepted_tokens_per_position_total{position="1"} 1' in page
+    assert 'npu_spec_accepted_tokens_per_position_total{position="2"} 0' in page
+
+
+async def test_replication_failure_only_costs_speed():
+    from proxy.engine import SlotReplicator
+    from proxy.upstream import UpstreamError
+
+    script = list(range(100, 120))
+
+    class NoSlotSave(FakeUpstream):
+        async def slot_action(self, id_slot, action, filename):
+            raise UpstreamError("http://x", "POST /slots/0?action=save: not supported", 502)
+
+    upstream = NoSlotSave(script)
+    replicator = SlotReplicator(upstream, min_prompt=1)
+    generation = Generation(
+        upstream, [1, 2], GenerationParams(n_predict=8, k=3), 1000,
+        ScriptDrafter(script, 2), PieceCache(upstream), replicator=replicator,
+    )  # fmt: skip
+    tokens = [event.token async for event in generation.run()]
+    assert tokens == script[:8] and not replicator.available
+    assert [len(d) for _, d in upstream.calls] == [0, 3, 2]  # plain first round, then drafts
