@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -112,7 +113,10 @@ def _run_builder(hf_dir: Path, out: Path, precision: str, cache: Path) -> None:
         "--cache_dir", str(cache),
     ]  # fmt: skip
     log.info("exporting %s with the onnxruntime-genai model builder (%s)", hf_dir, precision)
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    # The builder stamps `git rev-parse HEAD` of whatever checkout its venv lives in into
+    # producer_version; hiding git keeps the export byte-for-byte repeatable.
+    env = {**os.environ, "GIT_DIR": os.devnull}
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     log.debug("builder output:\n%s%s", done.stdout, done.stderr)
     if done.returncode != 0 or not (out / "model.onnx").is_file():
         tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
