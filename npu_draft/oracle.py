@@ -1,0 +1,266 @@
+"""Backend `oracle`: replays the target's own greedy output, corrupted on purpose.
+
+The oracle knows what the target will write for a fixed set of prompts (recorded
+from a plain llama-server greedy run, non-streamed: streamed ids leave out tokens
+that end inside a UTF-8 character) and proposes it, replacing each drafted token
+by a wrong one with probability 1 - acceptance. It isolates the proxy's machinery
+(verification cost, overhead, overlap) from drafter quality: acceptance and
+per-token drafting time are chosen, not measured.
+
+Corruption is a pure function of (seed, reference, position in the continuation),
+so a run is repeatable and a position drafted twice gets the same verdict. Per
+position the verdicts are independent Bernoulli(acceptance) draws, which is exactly
+the i.i.d. acceptance the cost model of DESIGN.md section 4 assumes.
+
+Off the reference path (a prompt it does not know, or a sequence that left the
+recorded continuation) it proposes nothing: the proxy then decodes plainly.
+
+Folder form (loaded by `OracleDraftModel.from_folder`): `oracle.json` holding
+
+    {"acceptance": 0.8, "delay_ms": 11.0, "seed": 0, "vocab_size": 151936,
+     "references": [[[prompt tokens...], [continuation tokens...]], ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from npu_draft.protocol import (
+    GREEDY,
+    CancelToken,
+    Draft,
+    DrafterInfo,
+    SamplingParams,
+    SparseDist,
+    SyncStats,
+    common_prefix_length,
+)
+
+ORACLE_FILE = "oracle.json"
+QWEN_VOCAB = 151936
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finalizer: a fast, platform-independent integer hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _fingerprint(tokens: Sequence[int]) -> int:
+    """Stable id of a reference (its prompt), independent of list order."""
+    h = _mix64(len(tokens))
+    for token in tokens[:256]:
+        h = _mix64(h ^ (int(token) & _MASK64))
+    return h
+
+
+@dataclass(frozen=True)
+class Reference:
+    prompt: tuple[int, ...]
+    continuation: tuple[int, ...]
+    full: list[int]  # prompt + continuation, for prefix comparisons at C speed
+    key: int  # _fingerprint(prompt), salts the corruption hash
+
+    @classmethod
+    def of(cls, prompt: Sequence[int], continuation: Sequence[int]) -> Reference:
+        p = tuple(int(t) for t in prompt)
+        c = tuple(int(t) for t in continuation)
+        return cls(p, c, [*p, *c], _fingerprint(p))
+
+    def matched(self, tokens: list[int], start: int = 0) -> int:
+        """Length of the common prefix of `tokens` and this reference, given that the
+        first `start` tokens are already known to match."""
+        end = min(len(tokens), len(self.full))
+        if tokens[start:end] == self.full[start:end]:
+            return end
+        return start + common_prefix_length(tokens[start:end], self.full[start:end])
+
+    def position(self, tokens: list[int], on_path: int) -> int | None:
+        """Index into the continuation after `tokens` (of which `on_path` lie on this
+        reference); None when off the path."""
+        if on_path != len(tokens) or len(tokens) < len(self.prompt):
+            return None
+        return len(tokens) - len(self.prompt)
+
+
+@dataclass(frozen=True)
+class OracleConfig:
+    acceptance: float = 1.0
+    delay_ms: float = 0.0
+    seed: int = 0
+    vocab_size: int = QWEN_VOCAB
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise ValueError(f"oracle acceptance {self.acceptance} is not in [0, 1]")
+        if self.delay_ms < 0:
+            raise ValueError(f"oracle delay {self.delay_ms} ms is negative")
+        if self.vocab_size < 2:
+            raise ValueError("oracle vocab_size must be at least 2")
+
+
+def drafted_token(config: OracleConfig, ref: Reference, position: int) -> int:
+    """What the oracle proposes at `position` of `ref`'s continuation."""
+    true_token = ref.continuation[position]
+    h = _mix64(_mix64(config.seed & _MASK64) ^ ref.key ^ _mix64(position))
+    uniform = (h >> 11) / float(1 << 53)
+    if uniform < config.acceptance:
+        return true_token
+    # Any other id, chosen by a second hash: guaranteed to differ from the truth.
+    offset = 1 + _mix64(h) % (config.vocab_size - 1)
+    return (true_token + offset) % config.vocab_size
+
+
+class OracleDraftSession:
+    def __init__(self, model: OracleDraftModel) -> None:
+        self._model = model
+        self._tokens: list[int] = []
+        self._ref: Reference | None = None  # the reference the prompt belongs to
+        self._on_path = 0  # leading tokens of the sequence that lie on _ref
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return self._tokens
+
+    def sync(self, tokens: Sequence[int]) -> SyncStats:
+        new = list(map(int, tokens))
+        old = self._tokens
+        if len(old) <= len(new) and new[: len(old)] == old:  # the common case, at C speed
+            reused = len(old)
+        else:
+            reused = common_prefix_length(old, new)
+        self._tokens = new
+        if self._ref is not None:
+            self._on_path = self._ref.matched(new, min(self._on_path, reused))
+        return SyncStats(reused=reused, appended=len(new) - reused)
+
+    def _locate(self) -> tuple[Reference, int] | None:
+        if self._ref is not None:
+            position = self._ref.position(self._tokens, self._on_path)
+            if position is not None:
+                return self._ref, position
+        for ref in self._model.references:
+            if ref is self._ref:
+                continue
+            on_path = ref.matched(self._tokens)
+            position = ref.position(self._tokens, on_path)
+            if position is not None:
+                self._ref, self._on_path = ref, on_path
+                return ref, position
+        return None
+
+    def propose(
+        self,
+        k: int,
+        sampling: SamplingParams = GREEDY,
+        rng: np.random.Generator | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Draft:
+        draft = Draft(dists=None if sampling.greedy else [])
+        found = self._locate()
+        if found is None:
+            return draft
+        ref, position = found
+        config = self._model.config
+        delay_s = config.delay_ms / 1e3
+        for step in range(min(k, len(ref.continuation) - position)):
+            if cancel is not None and cancel.cancelled:
+                break
+            if delay_s > 0:
+                time.sleep(delay_s)  # emulate a drafter of this per-token speed
+            token = drafted_token(config, ref, position + step)
+            draft.tokens.append(token)
+            draft.probs.append(1.0)
+            if draft.dists is not None:  # a point mass: the target accepts with p(x)
+                draft.dists.append(
+                    SparseDist(np.array([token], np.int64), np.array([1.0], np.float64))
+                )
+        self._tokens.extend(draft.tokens)
+        self._on_path = ref.matched(self._tokens, self._on_path)
+        return draft
+
+    def next_logits(self) -> np.ndarray:
+        logits = np.full(self._model.config.vocab_size, -30.0, dtype=np.float32)
+        found = self._locate()
+        if found is not None and found[1] < len(found[0].continuation):
+            logits[drafted_token(self._model.config, found[0], found[1])] = 0.0
+        return logits
+
+    def close(self) -> None:
+        self._tokens = []
+        self._ref = None
+        self._on_path = 0
+
+
+class OracleDraftModel:
+    def __init__(
+        self,
+        references: Sequence[tuple[Sequence[int], Sequence[int]]],
+        config: OracleConfig | None = None,
+        name: str = "oracle",
+    ) -> None:
+        self.config = config = config or OracleConfig()
+        self.references = [Reference.of(prompt, cont) for prompt, cont in references]
+        self.info = DrafterInfo(
+            name=name,
+            backend="oracle",
+            provider="none",
+            vocab_size=config.vocab_size,
+            max_context=1 << 30,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> OracleDraftModel:
+        path = Path(folder) / ORACLE_FILE
+        data = json.loads(path.read_text())
+        return cls.from_dict(data, name=str(folder))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], name: str = "oracle") -> OracleDraftModel:
+        config = OracleConfig(
+            acceptance=float(data.get("acceptance", 1.0)),
+            delay_ms=float(data.get("delay_ms", 0.0)),
+            seed=int(data.get("seed", 0)),
+            vocab_size=int(data.get("vocab_size", QWEN_VOCAB)),
+        )
+        references = [(pair[0], pair[1]) for pair in data.get("references", [])]
+        return cls(references, config, name)
+
+    def open_session(self) -> OracleDraftSession:
+        return OracleDraftSession(self)
+
+    def close(self) -> None:
+        pass
+
+
+def is_oracle_folder(path: str | Path) -> bool:
+    return (Path(path) / ORACLE_FILE).is_file()
+
+
+def write_oracle_folder(
+    folder: str | Path,
+    references: Sequence[tuple[Sequence[int], Sequence[int]]],
+    config: OracleConfig,
+) -> Path:
+    """Write `oracle.json` (creating the folder); returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {
+        "acceptance": config.acceptance,
+        "delay_ms": config.delay_ms,
+        "seed": config.seed,
+        "vocab_size": config.vocab_size,
+        "references": [[list(map(int, p)), list(map(int, c))] for p, c in references],
+    }
+    (folder / ORACLE_FILE).write_text(json.dumps(data))
+    return folder

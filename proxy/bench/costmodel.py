@@ -1,0 +1,76 @@
+"""The cost model of DESIGN.md section 4, as pure functions.
+
+a: probability that a drafted token is accepted (i.i.d. per position); k drafts
+per round. A round commits its accepted run plus the target's own next token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+
+def expected_tokens_per_round(a: float, k: int) -> float:
+    """E = (1 - a^(k+1)) / (1 - a): accepted run plus the correction or bonus token."""
+    if k <= 0:
+        return 1.0
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def expected_accepted_per_round(a: float, k: int) -> float:
+    return expected_tokens_per_round(a, k) - 1.0
+
+
+def ceiling_speedup(a: float) -> float:
+    """1/(1-a): the best case with a free draft and flat verification cost."""
+    return float("inf") if a >= 1.0 else 1.0 / (1.0 - a)
+
+
+def acceptance_from_positions(drafted: Sequence[int], accepted: Sequence[int]) -> float | None:
+    """Maximum-likelihood a from per-position counters (position 0 first).
+
+    accepted[i] counts rounds whose accepted run is longer than i; drafted[i] counts
+    rounds that drafted position i. A round that reached position i (accepted the
+    i earlier ones) and drafted it either accepts or rejects it, so
+    a = sum(accepted) / sum(reached), reached[i] = min(accepted[i-1], drafted[i]).
+    """
+    reached_total = 0
+    accepted_total = 0
+    for i, n_drafted in enumerate(drafted):
+        reached = n_drafted if i == 0 else min(accepted[i - 1], n_drafted)
+        reached_total += reached
+        accepted_total += accepted[i] if i < len(accepted) else 0
+    if reached_total <= 0:
+        return None
+    return accepted_total / reached_total
+
+
+@dataclass(frozen=True)
+class Prediction:
+    tokens_per_round: float  # E(a, k)
+    round_ms_turns: float  # k*t_draft + t_verify + t_overhead
+    round_ms_overlapped: float  # max(k*t_draft, t_verify + t_overhead)
+    tokens_per_s_turns: float
+    tokens_per_s_overlapped: float
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def predict(
+    a: float, k: int, draft_ms_per_token: float, verify_ms: float, overhead_ms: float
+) -> Prediction:
+    """Predicted speed taking turns (draft, then verify) and with drafting overlapped."""
+    tokens = expected_tokens_per_round(a, k)
+    drafting = k * draft_ms_per_token
+    turns = drafting + verify_ms + overhead_ms
+    overlapped = max(drafting, verify_ms + overhead_ms)
+    return Prediction(
+        tokens_per_round=tokens,
+        round_ms_turns=turns,
+        round_ms_overlapped=overlapped,
+        tokens_per_s_turns=1e3 * tokens / turns if turns > 0 else float("inf"),
+        tokens_per_s_overlapped=1e3 * tokens / overlapped if overlapped > 0 else float("inf"),
+    )

@@ -1,0 +1,84 @@
+"""The human-readable table of a bench result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+COLUMNS = [
+    ("ctx", 6), ("k", 2), ("mode", 22), ("tok/s [min-max]", 20), ("x plain", 7),
+    ("TTFT ms", 8), ("accept", 6), ("acc/rnd", 7), ("a iid", 5), ("accept by position", 24),
+    ("draft/verify/ovh ms", 20), ("dec/rnd", 7), ("pred turns|ovl", 15), ("meas/pred", 9),
+    ("RSS MB srv+proxy", 16), ("GPU MB", 7), ("=plain", 7),
+]  # fmt: skip
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _row(entry: dict[str, Any]) -> list[str]:
+    s = entry["summary"]
+    speed = (
+        f"{_f(s['tokens_per_s_median'])} [{_f(s['tokens_per_s_min'])}-{_f(s['tokens_per_s_max'])}]"
+    )
+    positions = " ".join(
+        "-" if a is None else f"{a:.2f}".lstrip("0") for a in s.get("acceptance_per_position", [])
+    )
+    split = "-"
+    if "verify_ms_per_round" in s:
+        split = "/".join(
+            _f(s[key])
+            for key in ("draft_ms_per_round", "verify_ms_per_round", "overhead_ms_per_round")
+        )
+    predicted = s.get("predicted")
+    pred = (
+        f"{_f(predicted['tokens_per_s_turns'])}|{_f(predicted['tokens_per_s_overlapped'])}"
+        if predicted
+        else "-"
+    )
+    memory = s.get("memory", {})
+    rss = _f(memory.get("rss_mb.llama-server"), 0)
+    if "rss_mb.proxy" in memory:
+        rss += f"+{_f(memory['rss_mb.proxy'], 0)}"
+    per_process = sum(
+        v
+        for name, v in memory.items()
+        if name.startswith("gpu_mb.") and name != "gpu_mb.device_used"
+    )
+    gpu = per_process or memory.get("gpu_mb.device_used")  # pids unseen inside a container
+    return [
+        "natural" if entry["context"] is None else str(entry["context"]),
+        str(entry["k"]),
+        entry["mode"],
+        speed,
+        _f(entry.get("speedup_vs_plain"), 2),
+        _f(s["ttft_ms_median"], 0),
+        _f(s.get("acceptance"), 2),
+        _f(s.get("accepted_per_round"), 2),
+        _f(s.get("acceptance_iid"), 2),
+        positions or "-",
+        split,
+        _f(s.get("decodes_per_round"), 2),
+        pred,
+        _f(s.get("measured_over_predicted"), 2),
+        rss,
+        _f(gpu, 0),
+        f"{s['n_equal_to_plain']}/{s['n_runs']}",
+    ]
+
+
+def render_table(result: dict[str, Any]) -> str:
+    rows = [[name for name, _ in COLUMNS]] + [_row(e) for e in result["summary"]]
+    widths = [max(width, *(len(r[i]) for r in rows)) for i, (_, width) in enumerate(COLUMNS)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    notes = [
+        "tok/s: decode speed (tokens-1)/(last-first token), median over repeats [min-max].",
+        "accept = accepted/drafted; acc/rnd = accepted per round; a iid = the per-token "
+        "acceptance the cost model uses (ML estimate from per-position counts).",
+        "pred turns|ovl: cost model (DESIGN.md §4) from a iid, k and the measured "
+        "draft/verify/overhead ms; meas/pred: all runs pooled over taking turns.",
+        "=plain: runs equal to plain llama-server (exact ids where checked, else streamed "
+        "ids and text); dec/rnd: llama_decode calls per round (plain: per token).",
+    ]
+    return "\n".join([*lines, "", *notes])

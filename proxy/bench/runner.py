@@ -1,0 +1,417 @@
+"""The benchmark session: references, interleaved modes, summary, JSON.
+
+For each context setting the plain server first writes the reference outputs (the
+oracle replays them and every mode is compared to them). Then, for each repeat and
+each k, every mode is started fresh (proxy and oracle modes on one shared
+verification server, see proxy.bench.modes), warmed up, given every prompt,
+measured and stopped. Plain, which does not depend on k, runs once per repeat. The
+order rotates with the repeat and the k, so drift (thermal, caches, other load)
+spreads evenly over the modes.
+
+The result JSON (schema "npu-spec-bench/1"):
+
+- `host`: cpu, gpus (nvidia-smi), python, llama-server path and `--version`;
+  `options`: every BenchOptions field; `work_dir`: logs and oracle folders.
+- `references`: per context and prompt, prompt and plain-output lengths.
+- `runs`: one per (mode, k, context, repeat, prompt): n_prompt, n_generated,
+  ttft_ms, decode_ms, total_ms, tokens_per_s, e2e_tokens_per_s, equal_to_plain,
+  exact_checked, first_mismatch, spec_header (X-Npu-Spec), server_timings (the
+  final chunk's `timings`), stats (see proxy.bench.stats.request_stats).
+  equal_to_plain compares exact ids (a second, non-streamed request) when
+  exact_checked, else the streamed ids and text (see proxy.bench.client).
+- `instances`: one per started mode: its peak memory (rss_mb.*, gpu_mb.* in MiB;
+  GPU memory as nvidia-smi reports it after the last prompt).
+- `errors`: modes that failed or were skipped for time (the session goes on).
+- `summary`: one per (context, k, mode): speedup_vs_plain and `summary` (see
+  proxy.bench.stats.summarize): tokens/s median/min/max and per repeat, TTFT,
+  acceptance, accepted and tokens per round, acceptance per position, the i.i.d.
+  acceptance estimate, draft/verify/overhead ms per round, draft ms per token,
+  decodes per round, the cost-model prediction and measured/predicted, memory,
+  n_equal_to_plain / n_runs and n_speculative.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Awaitable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+
+from npu_draft.oracle import OracleConfig, write_oracle_folder
+from proxy.bench.client import StreamedCompletion, exact_tokens, stream_completion
+from proxy.bench.host import host_info
+from proxy.bench.modes import ModeSpec, ServeConfig, VerifyServer, make_instance
+from proxy.bench.prompts import BenchPrompt, ServerText, build_prompts, load_prompt_set, select
+from proxy.bench.stats import request_stats, summary_rows
+from proxy.llama_server import LlamaServerProcess, find_llama_server
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SCHEMA = "npu-spec-bench/1"
+RESULT_FIELDS = (
+    "schema", "started_utc", "finished_utc", "host", "options", "work_dir",
+    "references", "summary", "instances", "runs", "errors",
+)  # fmt: skip
+RUN_FIELDS = (
+    "mode", "kind", "k", "context", "repeat", "prompt", "n_prompt", "n_generated",
+    "ttft_ms", "decode_ms", "total_ms", "tokens_per_s", "e2e_tokens_per_s",
+    "equal_to_plain", "exact_checked", "first_mismatch", "spec_header", "server_timings",
+    "stats",
+)  # fmt: skip
+ROUND_COUNTER = "npu_spec_rounds_total"  # the proxy's rounds, see proxy.metrics
+WARMUP_TEXT = "Warm-up: count from one to ten."
+
+
+@dataclass
+class BenchOptions:
+    target: Path
+    draft_gguf: Path | None = None
+    drafter: Path | None = None
+    modes: list[str] = field(default_factory=lambda: ["plain", "builtin", "proxy", "oracle"])
+    ks: list[int] = field(default_factory=lambda: [4])
+    contexts: list[int | None] = field(default_factory=lambda: [None])  # None: as written
+    repeats: int = 3
+    n_predict: int = 128
+    prompts_path: Path | None = None
+    prompt_ids: list[str] | None = None
+    server_args: list[str] = field(default_factory=list)
+    builtin_args: list[str] = field(default_factory=list)
+    threads: int | None = None
+    provider: str = "auto"
+    oracle_acceptance: list[float] = field(default_factory=lambda: [0.8])
+    oracle_delay_ms: float = 0.0
+    oracle_seed: int = 0
+    llama_server: Path | None = None
+    work_dir: Path | None = None  # logs and oracle folders (default: a temp dir)
+    startup_timeout: float = 600.0
+    request_timeout: float = 1800.0
+    time_budget_s: float | None = None  # start no new mode after this long
+    exact_check: str = "first"  # non-streamed token check: "first" repeat, "all", "none"
+
+
+@dataclass(frozen=True)
+class PlainOutput:
+    """What plain llama-server wrote for one prompt: the exact ids (non-streamed) and
+    what its stream carried (ids and text), to compare streamed runs against."""
+
+    tokens: list[int]
+    stream_tokens: list[int]
+    text: str
+
+
+@dataclass
+class Trial:
+    """What every mode of one (context, repeat) shares."""
+
+    context: int | None
+    repeat: int
+    prompts: list[BenchPrompt]
+    outputs: dict[str, PlainOutput]  # by prompt id
+    config: ServeConfig
+    oracle_folders: dict[float, Path]
+
+
+def mode_units(specs: list[ModeSpec]) -> list[ModeSpec | list[ModeSpec]]:
+    """plain and builtin alone; proxy and oracle modes together (they share a server)."""
+    alone: list[ModeSpec | list[ModeSpec]] = [s for s in specs if not s.speculative]
+    shared = [s for s in specs if s.speculative]
+    return alone + ([shared] if shared else [])
+
+
+def mode_specs(options: BenchOptions, k: int, with_plain: bool = True) -> list[ModeSpec]:
+    """The modes of one k group; plain does not depend on k, so it runs in one group."""
+    specs = []
+    for kind in options.modes:
+        if kind == "plain" and not with_plain:
+            continue
+        if kind == "oracle":
+            specs += [
+                ModeSpec("oracle", k, acceptance=a, delay_ms=options.oracle_delay_ms)
+                for a in options.oracle_acceptance
+            ]
+        else:
+            specs.append(ModeSpec(kind, 0 if kind == "plain" else k))
+    return specs
+
+
+def rotated(items: list[T], shift: int) -> list[T]:
+    shift %= max(len(items), 1)
+    return items[shift:] + items[:shift]
+
+
+def slot_context(prompts: list[BenchPrompt], n_predict: int) -> int:
+    """Per-slot context every server gets: the longest prompt plus the generation."""
+    longest = max(len(p.tokens) for p in prompts)
+    return -(-(longest + n_predict + 64) // 256) * 256
+
+
+def first_mismatch(tokens: list[int], reference: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(tokens, reference, strict=False)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+class BenchSession:
+    def __init__(self, options: BenchOptions) -> None:
+        self.options = options
+        self.binary = find_llama_server(options.llama_server)
+        self.work_dir = Path(options.work_dir or tempfile.mkdtemp(prefix="npu-spec-bench-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.runs: list[dict[str, Any]] = []
+        self.instances: list[dict[str, Any]] = []
+        self.references: list[dict[str, Any]] = []
+        self.errors: list[dict[str, Any]] = []
+        self._started = _now()
+        self.host = host_info(self.binary)
+        self._warmup: list[int] = []  # a short prompt outside the set, for warm-up requests
+
+    def _config(self, ctx: int) -> ServeConfig:
+        o = self.options
+        return ServeConfig(
+            llama_server=self.binary,
+            target=o.target,
+            draft_gguf=o.draft_gguf,
+            drafter=o.drafter,
+            ctx=ctx,
+            threads=o.threads,
+            server_args=list(o.server_args),
+            builtin_args=list(o.builtin_args),
+            provider=o.provider,
+            log_dir=self.work_dir / "logs",
+            startup_timeout=o.startup_timeout,
+        )
+
+    async def _reference_phase(
+        self, session: aiohttp.ClientSession, context: int | None
+    ) -> tuple[list[BenchPrompt], dict[str, PlainOutput]]:
+        """Build the token prompts and record plain greedy output for each."""
+        o = self.options
+        prompt_set = load_prompt_set(o.prompts_path)
+        guess = max(context or 0, int(prompt_set.get("long", {}).get("target_tokens", 0)), 1024)
+        args = ["-c", str(-(-(2 * guess + o.n_predict) // 256) * 256), "-np", "1"]
+        args += (["-t", str(o.threads)] if o.threads else []) + list(o.server_args)
+        log_path = self.work_dir / "logs" / f"reference-ctx{context}.log"
+        server = LlamaServerProcess(self.binary, o.target, args, log_path=log_path)
+        await server.start(o.startup_timeout)
+        try:
+            text = ServerText(session, server.base_url)
+            prompts = select(await build_prompts(text, prompt_set, context), o.prompt_ids)
+            outputs: dict[str, PlainOutput] = {}
+            for prompt in prompts:
+                exact = await exact_tokens(session, server.base_url, prompt.tokens, o.n_predict)
+                done = await stream_completion(session, server.base_url, prompt.tokens, o.n_predict)
+                outputs[prompt.id] = PlainOutput(exact, done.tokens, done.text)
+                self.references.append(
+                    {"context": context, "prompt": prompt.id, "kind": prompt.kind,
+                     "n_prompt": len(prompt.tokens), "n_generated": len(exact),
+                     "n_stream_tokens": len(done.tokens)}
+                )  # fmt: skip
+            warmup = await text.tokenize(WARMUP_TEXT)
+        finally:
+            await server.stop()
+        self._warmup = warmup
+        return prompts, outputs
+
+    def _oracle_folders(
+        self, context: int | None, prompts: list[BenchPrompt], outputs: dict[str, PlainOutput]
+    ) -> dict[float, Path]:
+        o = self.options
+        references = [(p.tokens, outputs[p.id].tokens) for p in prompts]
+        folders = {}
+        for a in o.oracle_acceptance:
+            config = OracleConfig(acceptance=a, delay_ms=o.oracle_delay_ms, seed=o.oracle_seed)
+            folder = self.work_dir / f"oracle-ctx{context}-a{a:g}"
+            folders[a] = write_oracle_folder(folder, references, config)
+        return folders
+
+    async def _run_mode(
+        self, session: aiohttp.ClientSession, trial: Trial, spec: ModeSpec,
+        verify_server: VerifyServer | None = None,
+    ) -> None:  # fmt: skip
+        o = self.options
+        log_name = f"ctx{trial.context}-k{spec.k}-r{trial.repeat}-{spec.kind}"
+        if spec.acceptance is not None:
+            log_name += f"-a{spec.acceptance:g}"
+        folder = trial.oracle_folders.get(spec.acceptance) if spec.kind == "oracle" else None
+        instance = make_instance(trial.config, spec, log_name, verify_server, folder)
+        log.info("ctx %s k %d repeat %d: %s", trial.context, spec.k, trial.repeat, spec.name)
+        if verify_server is not None:
+            await verify_server.erase_slots(session)
+        await instance.start()
+        try:
+            await stream_completion(session, instance.base_url, self._warmup, 8)
+            for prompt in trial.prompts:
+                done = await stream_completion(
+                    session, instance.base_url, prompt.tokens, o.n_predict, instance.metrics_url,
+                    round_counter=ROUND_COUNTER if spec.speculative else None,
+                )  # fmt: skip
+                exact = None
+                if o.exact_check == "all" or (o.exact_check == "first" and trial.repeat == 0):
+                    exact = await exact_tokens(
+                        session, instance.base_url, prompt.tokens, o.n_predict
+                    )
+                self.runs.append(self._run_record(spec, trial, prompt, done, exact))
+            memory = instance.memory()
+        finally:
+            await instance.stop()
+        self.instances.append(
+            {"mode": spec.name, "kind": spec.kind, "k": spec.k, "context": trial.context,
+             "repeat": trial.repeat, "memory": memory}
+        )  # fmt: skip
+
+    async def _run_unit(
+        self, session: aiohttp.ClientSession, trial: Trial, unit: ModeSpec | list[ModeSpec]
+    ) -> None:
+        """One mode alone, or the proxy/oracle modes of one k on their shared server.
+        A failure is recorded and the session goes on with the other modes."""
+        if isinstance(unit, ModeSpec):
+            await self._guarded(self._run_mode(session, trial, unit), [unit], trial)
+            return
+        k = unit[0].k
+        server = VerifyServer(trial.config, k, f"ctx{trial.context}-k{k}-r{trial.repeat}-verify")
+        if not await self._guarded(server.start(), unit, trial):
+            return
+        try:
+            for spec in rotated(unit, trial.repeat):
+                await self._guarded(self._run_mode(session, trial, spec, server), [spec], trial)
+        finally:
+            await server.stop()
+
+    def _skip(self, unit: ModeSpec | list[ModeSpec], trial: Trial) -> None:
+        for spec in [unit] if isinstance(unit, ModeSpec) else unit:
+            log.warning("time budget spent: skipping %s k %d repeat %d", spec.name, spec.k,
+                        trial.repeat)  # fmt: skip
+            self.errors.append(
+                {"mode": spec.name, "k": spec.k, "context": trial.context,
+                 "repeat": trial.repeat, "error": "skipped: --time-budget-s spent"}
+            )  # fmt: skip
+
+    async def _guarded(self, step: Awaitable[None], specs: list[ModeSpec], trial: Trial) -> bool:
+        try:
+            await step
+            return True
+        except (OSError, RuntimeError, ValueError, aiohttp.ClientError, TimeoutError) as exc:
+            names = ", ".join(s.name for s in specs)
+            log.exception("%s (ctx %s, repeat %d) failed", names, trial.context, trial.repeat)
+            for spec in specs:
+                self.errors.append(
+                    {"mode": spec.name, "k": spec.k, "context": trial.context,
+                     "repeat": trial.repeat, "error": f"{type(exc).__name__}: {exc}"}
+                )  # fmt: skip
+            return False
+
+    def _run_record(
+        self, spec: ModeSpec, trial: Trial, prompt: BenchPrompt, done: StreamedCompletion,
+        exact: list[int] | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        plain = trial.outputs[prompt.id]
+        if exact is not None:  # token for token
+            mismatch = first_mismatch(exact, plain.tokens)
+            equal = mismatch is None
+        else:  # what the stream shows: its ids and its text
+            mismatch = first_mismatch(done.tokens, plain.stream_tokens)
+            equal = mismatch is None and done.text == plain.text
+        return {
+            "mode": spec.name,
+            "kind": spec.kind,
+            "k": spec.k,
+            "context": trial.context,
+            "repeat": trial.repeat,
+            "prompt": prompt.id,
+            "n_prompt": len(prompt.tokens),
+            "n_generated": done.n_predicted,
+            "ttft_ms": done.ttft_ms,
+            "decode_ms": done.decode_ms,
+            "total_ms": done.total_ms,
+            "tokens_per_s": done.tokens_per_s,
+            "e2e_tokens_per_s": done.e2e_tokens_per_s,
+            "equal_to_plain": equal,
+            "exact_checked": exact is not None,
+            "first_mismatch": mismatch,
+            "spec_header": done.spec_header,
+            "server_timings": done.timings,
+            "stats": request_stats(
+                spec.kind,
+                spec.k,
+                done.n_predicted,
+                done.metrics_before,
+                done.metrics_first,
+                done.metrics_after,
+            ),
+        }
+
+    async def run(self, progress: Path | None = None) -> dict[str, Any]:
+        """The whole session; with `progress`, the result so far is written there after
+        every mode, so a session cut short still leaves its measurements."""
+        o = self.options
+        self._started = _now()
+        deadline = time.monotonic() + o.time_budget_s if o.time_budget_s else None
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=o.request_timeout)
+        # A fresh connection per request: llama-server may close one after a stream.
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            for context in o.contexts:
+                prompts, outputs = await self._reference_phase(session, context)
+                config = self._config(slot_context(prompts, o.n_predict))
+                folders = self._oracle_folders(context, prompts, outputs)
+                # Repeats outermost, so drift spreads over every k as well as every mode.
+                for repeat in range(o.repeats):
+                    trial = Trial(context, repeat, prompts, outputs, config, folders)
+                    for k_index, k in enumerate(o.ks):
+                        units = mode_units(mode_specs(o, k, with_plain=k_index == 0))
+                        for unit in rotated(units, repeat + k_index):
+                            if deadline is not None and time.monotonic() > deadline:
+                                self._skip(unit, trial)
+                                continue
+                            await self._run_unit(session, trial, unit)
+                            if progress is not None:
+                                write_json(self.result(finished=False), progress)
+        return self.result(finished=True)
+
+    def result(self, finished: bool) -> dict[str, Any]:
+        o = self.options
+        return {
+            "schema": SCHEMA,
+            "started_utc": self._started,
+            "finished_utc": _now() if finished else None,
+            "host": self.host,
+            "options": _jsonable(asdict(o)),
+            "work_dir": str(self.work_dir),
+            "references": self.references,
+            "summary": summary_rows(self.runs, self.instances),
+            "instances": self.instances,
+            "runs": self.runs,
+            "errors": self.errors,
+        }
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+async def run_bench(options: BenchOptions, progress: Path | None = None) -> dict[str, Any]:
+    return await BenchSession(options).run(progress)
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")

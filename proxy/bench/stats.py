@@ -1,0 +1,202 @@
+"""From counters and timings to the numbers the table shows.
+
+Per request (`request_stats`): rounds, drafted, accepted, per-position counts, the
+per-round millisecond split and server decodes, read from `/metrics` deltas:
+
+- proxy/oracle: the proxy's `npu_spec_*` counters; millisecond sums and decodes
+  come from the steady window (first token -> end) so the first round, which also
+  prefills the prompt into k+1 slots, does not count as a verify cost.
+- builtin: llama-server's `spec_decode_*` counters, which it adds up when the
+  request ends (whole request); drafted per position is taken as one per round
+  for each of the k positions (llama.cpp does not count it).
+- plain: one round per generated token; decodes over the whole request.
+
+Per mode (`summarize`): medians and spread over repeats, pooled acceptance, and
+the cost-model prediction.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+from proxy.bench.costmodel import acceptance_from_positions, predict
+from proxy.bench.prom import delta, per_position
+
+DECODES = "llamacpp:n_decode_total"
+
+
+def _proxy_counters(d: dict[str, float]) -> dict[str, Any]:
+    return {
+        "rounds": round(d.get("npu_spec_rounds_total", 0)),
+        "drafted": round(d.get("npu_spec_draft_tokens_total", 0)),
+        "accepted": round(d.get("npu_spec_accepted_tokens_total", 0)),
+        "drafted_per_position": per_position(d, "npu_spec_draft_tokens_per_position_total"),
+        "accepted_per_position": per_position(d, "npu_spec_accepted_tokens_per_position_total"),
+        "draft_ms": d.get("npu_spec_draft_ms_sum", 0.0),
+        "verify_ms": d.get("npu_spec_verify_ms_sum", 0.0),
+        "overhead_ms": d.get("npu_spec_overhead_ms_sum", 0.0),
+        "decodes": round(d.get(DECODES, 0)),
+        # requests that fell back to plain decoding: a broken drafter must not pass
+        # for a slow one
+        "drafter_failures": round(d.get("npu_spec_drafter_failures_total", 0)),
+    }
+
+
+def request_stats(
+    kind: str, k: int, n_generated: int, before: dict, first: dict, after: dict
+) -> dict[str, Any]:
+    whole = delta(after, before)
+    if kind in ("proxy", "oracle"):
+        out = _proxy_counters(whole)
+        steady = _proxy_counters(delta(after, first)) if first else out
+        out["steady"] = {
+            name: steady[name]
+            for name in ("rounds", "drafted", "draft_ms", "verify_ms", "overhead_ms", "decodes")
+        }
+        return out
+    if kind == "builtin":
+        rounds = round(whole.get("llamacpp:spec_decode_num_drafts_total", 0))
+        accepted_pos = per_position(whole, "llamacpp:spec_decode_num_accepted_tokens_per_pos_total")
+        return {
+            "rounds": rounds,
+            "drafted": round(whole.get("llamacpp:spec_decode_num_draft_tokens_total", 0)),
+            "accepted": round(whole.get("llamacpp:spec_decode_num_accepted_tokens_total", 0)),
+            "drafted_per_position": [rounds] * max(k, len(accepted_pos)),
+            "accepted_per_position": accepted_pos,
+            "decodes": round(whole.get(DECODES, 0)),
+        }
+    return {
+        "rounds": n_generated,
+        "drafted": 0,
+        "accepted": 0,
+        "decodes": round(whole.get(DECODES, 0)),
+    }
+
+
+def _sum_lists(lists: Iterable[list[int]]) -> list[int]:
+    total: list[int] = []
+    for values in lists:
+        for i, value in enumerate(values):
+            if i >= len(total):
+                total.append(0)
+            total[i] += value
+    return total
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def _pooled_speed(runs: list[dict[str, Any]]) -> float | None:
+    """Decode tokens/s over several requests (token-weighted)."""
+    tokens = sum(max(r["n_generated"] - 1, 0) for r in runs)
+    seconds = sum(r["decode_ms"] for r in runs) / 1e3
+    return tokens / seconds if seconds > 0 else None
+
+
+def repeat_speeds(runs: list[dict[str, Any]]) -> list[float]:
+    """Decode tokens/s of each repeat, pooled over its prompts."""
+    by_repeat: dict[int, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_repeat.setdefault(run["repeat"], []).append(run)
+    speeds = [_pooled_speed(group) for group in by_repeat.values()]
+    return [speed for speed in speeds if speed is not None]
+
+
+def summarize(
+    kind: str, k: int, runs: list[dict[str, Any]], memory: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One table row: everything measured for one (mode, k, context)."""
+    speeds = repeat_speeds(runs)
+    rounds = sum(r["stats"]["rounds"] for r in runs)
+    drafted = sum(r["stats"]["drafted"] for r in runs)
+    accepted = sum(r["stats"]["accepted"] for r in runs)
+    out: dict[str, Any] = {
+        "tokens_per_s_median": statistics.median(speeds) if speeds else None,
+        "tokens_per_s_min": min(speeds) if speeds else None,
+        "tokens_per_s_max": max(speeds) if speeds else None,
+        "tokens_per_s_repeats": speeds,
+        "tokens_per_s_pooled": _pooled_speed(runs),
+        "ttft_ms_median": statistics.median(r["ttft_ms"] for r in runs) if runs else None,
+        "n_runs": len(runs),
+        "n_equal_to_plain": sum(1 for r in runs if r["equal_to_plain"]),
+        "n_exact_checked": sum(1 for r in runs if r.get("exact_checked")),
+        "n_speculative": sum(1 for r in runs if r.get("spec_header") == "speculative"),
+        "drafter_failures": sum(r["stats"].get("drafter_failures", 0) for r in runs),
+        "rounds": rounds,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": _ratio(accepted, drafted),
+        "accepted_per_round": _ratio(accepted, rounds) if kind != "plain" else None,
+        "tokens_per_round": _ratio(sum(r["n_generated"] for r in runs), rounds),
+    }
+    if kind != "plain":
+        drafted_pos = _sum_lists(r["stats"].get("drafted_per_position", []) for r in runs)
+        accepted_pos = _sum_lists(r["stats"].get("accepted_per_position", []) for r in runs)
+        out["acceptance_per_position"] = [
+            _ratio(accepted_pos[i] if i < len(accepted_pos) else 0, n)
+            for i, n in enumerate(drafted_pos)
+        ]
+        out["acceptance_iid"] = acceptance_from_positions(drafted_pos, accepted_pos)
+    steady = [r["stats"]["steady"] for r in runs if "steady" in r["stats"]]
+    steady_rounds = sum(s["rounds"] for s in steady)
+    if steady_rounds:
+        steady_drafted = sum(s["drafted"] for s in steady)
+        out["draft_ms_per_round"] = sum(s["draft_ms"] for s in steady) / steady_rounds
+        out["verify_ms_per_round"] = sum(s["verify_ms"] for s in steady) / steady_rounds
+        out["overhead_ms_per_round"] = sum(s["overhead_ms"] for s in steady) / steady_rounds
+        out["draft_ms_per_token"] = _ratio(sum(s["draft_ms"] for s in steady), steady_drafted)
+        out["decodes_per_round"] = sum(s["decodes"] for s in steady) / steady_rounds
+    else:
+        out["decodes_per_round"] = _ratio(sum(r["stats"]["decodes"] for r in runs), rounds)
+    a = out.get("acceptance_iid")
+    if kind in ("proxy", "oracle") and a is not None and steady_rounds:
+        prediction = predict(
+            a, k, out["draft_ms_per_token"] or 0.0, out["verify_ms_per_round"],
+            out["overhead_ms_per_round"],
+        )  # fmt: skip
+        out["predicted"] = prediction.to_dict()
+        # pooled over the same runs the prediction's inputs come from
+        measured = out["tokens_per_s_pooled"]
+        out["measured_over_predicted"] = _ratio(measured or 0.0, prediction.tokens_per_s_turns)
+    out["memory"] = _peak_memory(memory)
+    return out
+
+
+def _peak_memory(samples: list[dict[str, Any]]) -> dict[str, float]:
+    peak: dict[str, float] = {}
+    for sample in samples:
+        for name, value in sample.items():
+            if value is not None:
+                peak[name] = max(peak.get(name, 0.0), float(value))
+    return peak
+
+
+def summary_rows(
+    runs: list[dict[str, Any]], instances: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One row per (context, k, mode), with its speed-up over plain at that context."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["context"], run["k"], run["mode"], run["kind"]), []).append(run)
+    # plain has k = 0: one row per context
+    entries = []
+    for (context, k, mode, kind), group in groups.items():
+        memory = [
+            i["memory"] for i in instances
+            if (i["context"], i["k"], i["mode"]) == (context, k, mode)
+        ]  # fmt: skip
+        entries.append(
+            {"context": context, "k": k, "mode": mode, "kind": kind,
+             "summary": summarize(kind, k, group, memory)}
+        )  # fmt: skip
+    for entry in entries:
+        plain = [e for e in entries if e["kind"] == "plain" and e["context"] == entry["context"]]
+        base = plain[0]["summary"]["tokens_per_s_median"] if plain else None
+        mine = entry["summary"]["tokens_per_s_median"]
+        entry["speedup_vs_plain"] = mine / base if base and mine else None
+    order = {"plain": 0, "builtin": 1, "proxy": 2, "oracle": 3}
+    entries.sort(key=lambda e: (e["context"] or 0, e["k"], order[e["kind"]], e["mode"]))
+    return entries

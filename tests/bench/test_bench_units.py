@@ -1,0 +1,92 @@
+"""Pure parts of the harness: scheduling of modes, comparisons, per-request stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from proxy.bench.runner import (
+    BenchOptions,
+    first_mismatch,
+    mode_specs,
+    mode_units,
+    rotated,
+)
+from proxy.bench.stats import request_stats, summarize
+
+
+def test_modes_of_a_k_group_and_their_rotation() -> None:
+    options = BenchOptions(target=Path("t.gguf"), oracle_acceptance=[0.6, 0.9], oracle_delay_ms=11)
+    specs = mode_specs(options, 4)
+    assert [s.name for s in specs] == [
+        "plain", "builtin", "proxy", "oracle(a=0.6,11ms)", "oracle(a=0.9,11ms)",
+    ]  # fmt: skip
+    assert specs[0].k == 0 and all(s.k == 4 for s in specs[1:])
+    assert mode_specs(options, 4, with_plain=False)[0].kind == "builtin"
+    units = mode_units(specs)
+    assert units[:2] == specs[:2]
+    assert units[2] == specs[2:]  # proxy and oracles share one verification server
+    assert rotated([1, 2, 3], 1) == [2, 3, 1]
+    assert rotated([1, 2, 3], 5) == [3, 1, 2]
+    assert rotated([], 3) == []
+
+
+def test_first_mismatch() -> None:
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 9, 3], [1, 2, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def _proxy_metrics(rounds: int, drafted: int, accepted: int, decodes: int, ms: float) -> dict:
+    return {
+        "npu_spec_rounds_total": rounds,
+        "npu_spec_draft_tokens_total": drafted,
+        "npu_spec_accepted_tokens_total": accepted,
+        'npu_spec_draft_tokens_per_position_total{position="0"}': rounds,
+        'npu_spec_draft_tokens_per_position_total{position="1"}': drafted - rounds,
+        'npu_spec_accepted_tokens_per_position_total{position="0"}': accepted,
+        'npu_spec_accepted_tokens_per_position_total{position="1"}': 0,
+        "npu_spec_draft_ms_sum": ms,
+        "npu_spec_verify_ms_sum": 2 * ms,
+        "npu_spec_overhead_ms_sum": 0.1 * ms,
+        "llamacpp:n_decode_total": decodes,
+    }
+
+
+def test_proxy_request_stats_leave_the_first_round_out_of_the_split() -> None:
+    before = _proxy_metrics(0, 0, 0, 0, 0.0)
+    first = _proxy_metrics(1, 2, 1, 3, 50.0)  # the first round also prefilled
+    after = _proxy_metrics(11, 22, 11, 13, 150.0)
+    stats = request_stats("proxy", 2, 30, before, first, after)
+    assert (stats["rounds"], stats["drafted"], stats["accepted"]) == (11, 22, 11)
+    assert stats["drafted_per_position"] == [11, 11]
+    assert stats["accepted_per_position"] == [11, 0]
+    assert stats["steady"]["rounds"] == 10 and stats["steady"]["decodes"] == 10
+    run = {"repeat": 0, "n_generated": 30, "decode_ms": 1000.0, "ttft_ms": 5.0,
+           "equal_to_plain": True, "exact_checked": True, "spec_header": "speculative",
+           "stats": stats}  # fmt: skip
+    summary = summarize("proxy", 2, [run], [{"rss_mb.proxy": 100.0}])
+    assert summary["tokens_per_s_median"] == 29.0
+    assert summary["decodes_per_round"] == 1.0
+    assert summary["draft_ms_per_round"] == 10.0 and summary["verify_ms_per_round"] == 20.0
+    assert summary["acceptance_per_position"] == [1.0, 0.0]
+    assert summary["acceptance_iid"] == 0.5
+    assert summary["predicted"]["tokens_per_round"] == 1.75
+    assert summary["memory"] == {"rss_mb.proxy": 100.0}
+
+
+def test_builtin_and_plain_request_stats() -> None:
+    before = {"llamacpp:n_decode_total": 5}
+    after = {
+        "llamacpp:n_decode_total": 17,
+        "llamacpp:spec_decode_num_drafts_total": 10,
+        "llamacpp:spec_decode_num_draft_tokens_total": 40,
+        "llamacpp:spec_decode_num_accepted_tokens_total": 20,
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"}': 8,
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"}': 6,
+    }
+    stats = request_stats("builtin", 4, 30, before, {}, after)
+    assert stats["rounds"] == 10 and stats["decodes"] == 12
+    assert stats["drafted_per_position"] == [10, 10, 10, 10]
+    assert stats["accepted_per_position"] == [8, 6]
+    plain = request_stats("plain", 0, 30, before, {}, after)
+    assert plain == {"rounds": 30, "drafted": 0, "accepted": 0, "decodes": 12}
