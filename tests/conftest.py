@@ -37,24 +37,27 @@ def _factory_fingerprint() -> str:
     return digest.hexdigest()[:12]
 
 
-def cached_models(draft: str = "same", target_shape: str = "small", seed: int = 0) -> Path:
+def cached_models(
+    draft: str = "same", target_shape: str = "small", seed: int = 0, eos_boost: float = 0.0
+) -> Path:
     """Factory output for these arguments, made once and reused."""
-    key = f"{target_shape}-{draft.replace(':', '_')}-s{seed}-{_factory_fingerprint()}"
+    eos = f"-eos{eos_boost:g}" if eos_boost else ""
+    key = f"{target_shape}-{draft.replace(':', '_')}-s{seed}{eos}-{_factory_fingerprint()}"
     out = MODEL_CACHE / key
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
     # Several pytest processes may want the same models: one makes them, the rest wait.
     with open(MODEL_CACHE / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "manifest.json").is_file():
-            _make_cached(out, draft, target_shape, seed)
+            _make_cached(out, draft, target_shape, seed, eos_boost)
     return out
 
 
-def _make_cached(out: Path, draft: str, target_shape: str, seed: int) -> None:
+def _make_cached(out: Path, draft: str, target_shape: str, seed: int, eos_boost: float) -> None:
     shutil.rmtree(out, ignore_errors=True)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    make_models(tmp, seed=seed, draft=draft, target_shape=target_shape)
+    make_models(tmp, seed=seed, draft=draft, target_shape=target_shape, eos_boost=eos_boost)
     tmp.rename(out)
 
 

@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="target GGUF weight type (default: float16 for qwen3-* shapes, else float32)",
     )
     parser.add_argument(
+        "--eos-boost",
+        type=float,
+        default=0.0,
+        help="scale the <|im_end|> output row (e.g. 2.5) so generations end by EOS",
+    )
+    parser.add_argument(
         "--no-drafter", action="store_true", help="skip exporting the ONNX drafter folder"
     )
 
@@ -43,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         target_shape=args.target_shape,
         target_dtype=args.target_dtype,
         with_drafter=not args.no_drafter,
+        eos_boost=args.eos_boost,
     )
     print(out)
     return 0

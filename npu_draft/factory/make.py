@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from npu_draft.factory.gguf_out import read_tokenizer_fields, write_gguf
+from npu_draft.factory.gguf_out import EOS_TOKEN_ID, read_tokenizer_fields, write_gguf
 from npu_draft.factory.hf_out import build_tokenizer_files, write_hf_folder
 from npu_draft.factory.shapes import CORE, TARGET_SHAPES
 from npu_draft.factory.weights import (
@@ -103,8 +103,14 @@ def make_models(
     target_shape: str = "small",
     target_dtype: str | None = None,
     with_drafter: bool = True,
+    eos_boost: float = 0.0,
 ) -> Path:
-    """Write the model set into `out` and return it."""
+    """Write the model set into `out` and return it.
+
+    eos_boost > 0 scales the output row of `<|im_end|>` by that factor, so greedy
+    generations end by EOS after a few dozen tokens (2.5 ends the test prompts after
+    12-30 tokens); the random model otherwise practically never emits it.
+    """
     out = Path(out)
     spec = draft if isinstance(draft, DraftSpec) else DraftSpec.parse(draft)
     if target_shape not in TARGET_SHAPES:
@@ -119,6 +125,8 @@ def make_models(
     out.mkdir(parents=True, exist_ok=True)
 
     core = random_weights(CORE, seed)
+    if eos_boost > 0:
+        core["lm_head.weight"][EOS_TOKEN_ID] *= eos_boost
     drafted = draft_weights(core, spec, seed)
     log.info("writing %s (target %s, draft %s, seed %d)", out, target_shape, spec, seed)
     write_hf_folder(out / "target-hf", CORE, core, tokenizer_dir, f"npu-spec-core-s{seed}")
@@ -153,6 +161,7 @@ def make_models(
         "target_dims": asdict(big),
         "core_dims": asdict(CORE),
         "target_dtype": dtype.name,
+        "eos_boost": eos_boost,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return out
