@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from npu_draft import providers
+from npu_draft.onnx_runner import folder_max_context
 from npu_draft.protocol import (
     GREEDY,
     CancelToken,
@@ -83,10 +84,8 @@ class GenaiDraftModel:
         self._og = og
         self.threads = threads or providers.default_threads()
         self.model = og.Model(self._config(self.choice))
-        self.max_context = min(
-            max_context or DEFAULT_MAX_CONTEXT,
-            config_json.get("context_length", DEFAULT_MAX_CONTEXT),
-        )
+        declared = config_json.get("context_length", DEFAULT_MAX_CONTEXT)
+        self.max_context = min(max_context or folder_max_context(self.folder, declared), declared)
         eos = config_json.get("eos_token_id", [])
         facts = drafter_facts(self.folder)
         self.info = DrafterInfo(

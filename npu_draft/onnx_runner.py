@@ -107,6 +107,19 @@ class DecoderSpec:
         return data
 
 
+def folder_max_context(folder: Path, declared: int) -> int:
+    """Longest sequence to size a drafter's KV buffers for, when the caller gives none.
+
+    A folder written by `npu-spec export-drafter` was sized at export (`--max-context`,
+    recorded in npu_draft.json); any other folder is capped at 4,096 tokens, the Ryzen
+    AI NPU limit, because the buffers are allocated for the whole length up front.
+    """
+    manifest = DrafterManifest.read(folder)
+    if manifest is not None and manifest.decoder.get("context_length"):
+        return int(manifest.decoder["context_length"])
+    return min(declared, DEFAULT_MAX_CONTEXT)
+
+
 class OnnxDraftModel:
     """A loaded ONNX decoder; `open_session()` gives each conversation its own cache."""
 
@@ -126,7 +139,8 @@ class OnnxDraftModel:
         self.folder = Path(folder)
         self.spec = DecoderSpec.from_folder(self.folder)
         _require_shared_buffer_attention(self.folder / self.spec.filename, self.spec)
-        self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.spec.context_length)
+        declared = self.spec.context_length
+        self.max_context = min(max_context or folder_max_context(self.folder, declared), declared)
         self.choice = providers.choose_provider(
             provider, config_file=config_file, cache_dir=cache_dir, cache_key=cache_key
         )

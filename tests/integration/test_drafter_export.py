@@ -141,3 +141,19 @@ def test_bad_inputs_are_explained(tmp_path: Path) -> None:
         export_drafter(tmp_path, tmp_path / "out", fmt="gguf")
     with pytest.raises(ValueError, match="unknown precision"):
         export_drafter(tmp_path, tmp_path / "out", precision="int8")
+
+
+def test_export_max_context_is_honoured_and_foreign_folders_are_capped(
+    demo_models: Path, tmp_path: Path
+) -> None:
+    """A 4k prompt needs a drafter sized past 4,096 tokens; folders we did not export
+    keep the NPU-safe 4k cap because their KV buffers are allocated up front."""
+    long = export_drafter(demo_models / "draft-hf", tmp_path / "long", max_context=8192)
+    for backend in ("onnx", "genai"):
+        model = load_drafter(long, "cpu", backend=backend)
+        assert model.info.max_context == 8192, backend
+        model.close()
+    (long / "npu_draft.json").unlink()  # now it looks like a third-party folder
+    model = load_drafter(long, "cpu", backend="genai")
+    assert model.info.max_context == 4096
+    model.close()
