@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_NOISE_SIGMA = 0.05
 UNRELATED_SEED_OFFSET = 7919
 NOISE_SEED_OFFSET = 104729
+FACTORY_DRAFTER_CONTEXT = 8192
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,8 @@ def make_models(
     if with_drafter:
         from npu_draft.export import export_drafter
 
-        export_drafter(out / "draft-hf", out / "draft")
+        # 8k so benchmark prompts of 4k tokens plus their answers can still be drafted.
+        export_drafter(out / "draft-hf", out / "draft", max_context=FACTORY_DRAFTER_CONTEXT)
     manifest = {
         "seed": seed,
         "draft": str(spec),
