@@ -66,9 +66,11 @@ async def _probe_rounds(upstream: UpstreamClient, k: int, rounds: int = 3) -> li
     return out
 
 
-async def check_upstream(base_url: str, k: int, conversations: int = 1) -> list[Finding]:
+async def check_upstream(
+    base_url: str, k: int, conversations: int = 1, api_key: str | None = None
+) -> list[Finding]:
     findings: list[Finding] = []
-    async with UpstreamClient(base_url) as upstream:
+    async with UpstreamClient(base_url, api_key=api_key) as upstream:
         try:
             await upstream.health()
         except (UpstreamError, UpstreamClientError) as exc:

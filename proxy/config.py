@@ -11,13 +11,17 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class ProxySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NPU_SPEC_", extra="forbid")
+    # hide_input_in_errors: a rejected value may be a key or a URL with a password
+    model_config = SettingsConfigDict(
+        env_prefix="NPU_SPEC_", extra="forbid", hide_input_in_errors=True
+    )
 
     # where the target runs: exactly one of the two
     target: Path | None = Field(None, description="GGUF model: start llama-server (managed)")
@@ -50,11 +54,37 @@ class ProxySettings(BaseSettings):
     strict_decodes: bool = Field(False, description="fail a request whose round decodes != 1")
     attach_policy: Literal["refuse", "degrade"] = "refuse"
 
+    # reliability and security (docs/RELIABILITY.md)
+    api_key: str | None = Field(None, description="clients must send Authorization: Bearer KEY")
+    upstream_api_key: str | None = Field(
+        None, description="key sent to llama-server, replacing the client's; unset: forwarded"
+    )
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger bodies get 413")
+    max_queue: int = Field(32, ge=0, description="requests waiting for a slot group; then 503")
+    retry_after_s: int = Field(2, ge=1, description="Retry-After sent with a 503")
+    allow_slot_actions: bool = Field(True, description="pass /slots/{id}?action=... through")
+    passthrough_read_timeout_s: float = Field(
+        600.0, gt=0, description="longest silence from llama-server on a passed-through answer"
+    )
+    draft_timeout_s: float = Field(30.0, gt=0, description="a drafter slower than this failed")
+    restart_server: bool = Field(True, description="managed: restart a llama-server that died")
+    max_restarts: int = Field(5, ge=0, description="managed: restarts allowed per 10 minutes")
+
     @model_validator(mode="after")
     def _one_target(self) -> ProxySettings:
         if (self.target is None) == (self.upstream is None):
             raise ValueError("give exactly one of --target model.gguf or --upstream URL")
+        if self.upstream is not None and urlsplit(self.upstream).password is not None:
+            # it would show in logs and error messages: keys go in upstream_api_key
+            raise ValueError("put the upstream's key in upstream_api_key, not in the URL")
         return self
+
+    def __repr_args__(self):  # keys never reach logs or tracebacks
+        for name, value in super().__repr_args__():
+            yield name, ("***" if name in SECRET_FIELDS and value else value)
+
+
+SECRET_FIELDS = frozenset({"api_key", "upstream_api_key"})
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

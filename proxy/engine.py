@@ -1,7 +1,8 @@
-"""One generation's greedy draft -> verify -> accept loop.
+"""One generation's draft -> verify -> accept loop, greedy or sampling.
 
 The engine knows nothing of HTTP routes. It takes prompt token ids and the few
-request parameters it can honour losslessly (n_predict, stop strings), and yields
+request parameters it can honour losslessly (n_predict, stop strings, and in
+sampling mode temperature/top_k/top_p/min_p/seed), and yields
 one `TokenEvent` per generated token exactly as llama-server's `process_token`
 would emit it, then a `GenerationResult`. `ServerTextState` mirrors the server's
 text bookkeeping (UTF-8 hold-back, stop strings across token boundaries, limits) so
@@ -17,9 +18,26 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from npu_draft.protocol import DraftSession
-from proxy.acceptance import greedy_accept
-from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError, VerifyResult
+import numpy as np
+
+from npu_draft.protocol import Draft, DraftSession, SamplingParams, SparseDist
+from npu_draft.sampling import choose_token
+from proxy.acceptance import (
+    Acceptance,
+    RngChooser,
+    SampledAcceptance,
+    Verdict,
+    greedy_accept,
+    normalized,
+    speculative_sample,
+)
+from proxy.upstream import (
+    SamplingSpec,
+    UpstreamClient,
+    UpstreamClientError,
+    UpstreamError,
+    VerifyResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +190,38 @@ class AsyncSessionDrafter:
         from npu_draft.async_session import AsyncDraftSession
 
         self._session = AsyncDraftSession(session, name)
+        self._greedy_only = False
 
     async def propose(self, committed: Sequence[int], k: int) -> list[int]:
         await self._session.sync(committed)
         draft = await self._session.propose(k)
         return [int(t) for t in draft.tokens]
+
+    async def propose_sampled(
+        self, committed: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator
+    ) -> Draft:
+        """Sampling mode: tokens drawn from q (the mirrored chain) and q itself."""
+        await self._session.sync(committed)
+        if not self._greedy_only:
+            try:
+                return await self._session.propose(k, sampling, rng)
+            except NotImplementedError:
+                self._greedy_only = True  # e.g. the numpy reference: sample its logits here
+        return await self._step_sampled(list(committed), k, sampling, rng)
+
+    async def _step_sampled(
+        self, tokens: list[int], k: int, sampling: SamplingParams, rng: np.random.Generator
+    ) -> Draft:
+        draft = Draft(dists=[])
+        for i in range(k):
+            if i > 0:
+                await self._session.sync(tokens)  # feeds only the token just drawn
+            token, prob, dist = choose_token(await self._session.next_logits(), sampling, rng)
+            draft.tokens.append(token)
+            draft.probs.append(prob)
+            draft.dists.append(dist)  # type: ignore[union-attr]
+            tokens.append(token)
+        return draft
 
     async def close(self) -> None:
         await self._session.close()
@@ -190,6 +235,7 @@ class GenerationParams:
     n_predict: int = -1  # after merging the server's default; -1 means unlimited
     stop: list[str] = field(default_factory=list)
     k: int = 4
+    sampling: SamplingSpec | None = None  # None: greedy
 
 
 @dataclass
@@ -203,6 +249,9 @@ class RoundRecord:
     decodes: int | None = None  # llamacpp:n_decode_total delta, when checked
     prompt_tokens: int | None = None  # llamacpp:prompt_tokens_total delta, when checked
     first: bool = False  # the round that also prefills the prompt into k+1 slots
+    # sampling mode: drafts a match-only rule (draft == the server's own sampled token)
+    # would have accepted in the same round; None in greedy mode
+    n_matched: int | None = None
 
 
 @dataclass
@@ -219,6 +268,7 @@ class GenerationResult:
     prompt_ms: float
     predicted_ms: float
     drafter_failed: bool = False
+    sampled: bool = False  # sampling mode (the Leviathan/Chen rule)
 
     @property
     def draft_n(self) -> int:
@@ -227,6 +277,10 @@ class GenerationResult:
     @property
     def draft_n_accepted(self) -> int:
         return sum(r.n_accepted for r in self.rounds)
+
+    @property
+    def draft_n_matched(self) -> int:
+        return sum(r.n_matched or 0 for r in self.rounds)
 
     def timings(self) -> dict[str, float | int]:
         """llama-server's `timings` object (server-common.cpp server_slot_stats::to_json)."""
@@ -249,6 +303,8 @@ class GenerationResult:
         if self.draft_n > 0:
             out["draft_n"] = self.draft_n
             out["draft_n_accepted"] = self.draft_n_accepted
+            if self.sampled:  # what greedy-match acceptance would have kept of the same drafts
+                out["draft_n_accepted_greedy_match"] = self.draft_n_matched
         return out
 
 
@@ -299,11 +355,26 @@ class SlotReplicator:
 
 class PieceCache:
     """Exact bytes of token pieces; the verify result's text is lossy only for
-    tokens that end inside a UTF-8 character, and those are looked up once."""
+    tokens that end inside a UTF-8 character, and those are looked up once.
+    Sampling mode also needs to know which tokens end generation (EOG)."""
 
     def __init__(self, upstream: UpstreamClient) -> None:
         self._upstream = upstream
         self._exact: dict[int, bytes] = {}
+        self._eog: frozenset[int] | None = None
+
+    async def eog_tokens(self) -> frozenset[int]:
+        """The server's end-of-generation ids, asked once per process."""
+        if self._eog is None:
+            self._eog = await self._upstream.eog_tokens()
+        return self._eog
+
+    async def token_piece(self, token: int) -> bytes:
+        cached = self._exact.get(token)
+        if cached is None:
+            cached = await self._upstream.token_bytes(token)
+            self._exact[token] = cached
+        return cached
 
     async def piece(self, result: VerifyResult) -> bytes:
         if "\ufffd" not in result.piece:
@@ -347,12 +418,24 @@ class Generation:
         self.slot_file = slot_file
         self.result: GenerationResult | None = None
 
-    async def _draft(self, committed: list[int], k: int) -> tuple[list[int], float]:
+    async def _draft(
+        self,
+        committed: list[int],
+        k: int,
+        sampling: SamplingParams | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> tuple[list[int], list[SparseDist | None] | None, float]:
+        """(draft tokens, their q in sampling mode, ms spent)."""
         if k <= 0 or self.drafter is None:
-            return [], 0.0
+            return [], None, 0.0
         started = time.perf_counter()
+        dists: list[SparseDist | None] | None = None
         try:
-            draft = await self.drafter.propose(committed, k)
+            if sampling is None:
+                draft = await self.drafter.propose(committed, k)
+            else:
+                assert rng is not None
+                draft, dists = await _propose_sampled(self.drafter, committed, k, sampling, rng)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -363,8 +446,8 @@ class Generation:
             self._drafter_failed = True
             drafter, self.drafter = self.drafter, None
             await _close_quietly(drafter)
-            return [], (time.perf_counter() - started) * 1e3
-        return draft[:k], (time.perf_counter() - started) * 1e3
+            return [], None, (time.perf_counter() - started) * 1e3
+        return draft[:k], dists, (time.perf_counter() - started) * 1e3
 
     async def _counters(self) -> tuple[int, int]:
         """(llamacpp:n_decode_total, llamacpp:prompt_tokens_total) right now."""
@@ -381,6 +464,14 @@ class Generation:
         first_round_end: float | None = None
         n_cached = 0
         counters_before = await self._counters() if self.check_decodes else None
+        sampling = self.params.sampling
+        if sampling is not None:
+            # Independent streams for the draft's draws, the rule's and the server's
+            # seeds: a request seed replays all three, so the output reproduces.
+            streams = np.random.SeedSequence(sampling.seed).spawn(3)
+            draft_rng, rule_rng, seed_rng = (np.random.default_rng(s) for s in streams)
+            chooser = RngChooser(rule_rng)
+            eog = await self.pieces.eog_tokens()
         try:
             while not state.finished:
                 round_start = time.perf_counter()
@@ -399,17 +490,37 @@ class Generation:
                 )
                 if replicate:
                     k = 0  # prefill one slot only; copies of it follow
-                draft, draft_ms = await self._draft(committed, k)
-                verify_start = time.perf_counter()
-                results = await self.upstream.verify(committed, draft)
+                if sampling is None:
+                    draft, dists, draft_ms = await self._draft(committed, k)
+                    verify_start = time.perf_counter()
+                    results = await self.upstream.verify(committed, draft)
+                else:
+                    draft, dists, draft_ms = await self._draft(
+                        committed, k, sampling.chain, draft_rng
+                    )
+                    verify_start = time.perf_counter()
+                    server_seed = int(seed_rng.integers(0, 0xFFFFFFFF))  # 0xFFFFFFFF: random
+                    results = await self.upstream.verify(committed, draft, sampling, server_seed)
                 verify_ms = (time.perf_counter() - verify_start) * 1e3
                 if first_round_end is None:
                     n_cached = results[0].cached
-                acceptance = greedy_accept(draft, [r.token for r in results])
+                acceptance: Acceptance
+                if sampling is None:
+                    acceptance = greedy_accept(draft, [r.token for r in results])
+                else:
+                    verdicts = [verdict_of(r) for r in results]
+                    acceptance = speculative_sample(draft, dists, verdicts, chooser)
                 n_committed = 0
                 for position, token in enumerate(acceptance.tokens):
-                    piece = await self.pieces.piece(results[position])
-                    event = state.push(token, piece, results[position].is_eog)
+                    result = results[position]
+                    if sampling is None or token == result.token:
+                        piece, is_eog = await self.pieces.piece(result), result.is_eog
+                    else:  # our own draw: its bytes come with the server's candidates
+                        piece = _candidate_piece(result, token)
+                        if piece is None:
+                            piece = await self.pieces.token_piece(token)
+                        is_eog = token in eog
+                    event = state.push(token, piece, is_eog)
                     n_committed += 1
                     yield event
                     if state.finished:
@@ -446,6 +557,9 @@ class Generation:
                     decodes=decodes,
                     prompt_tokens=prompt_tokens,
                     first=not rounds,
+                    n_matched=acceptance.n_matched
+                    if isinstance(acceptance, SampledAcceptance)
+                    else None,
                 )
                 rounds.append(record)
                 if self.observer is not None:
@@ -468,9 +582,49 @@ class Generation:
             prompt_ms=(first_round_end - started) * 1e3,
             predicted_ms=(end - first_round_end) * 1e3,
             drafter_failed=self._drafter_failed,
+            sampled=sampling is not None,
         )
         if self.observer is not None:
             self.observer.observe_generation(len(state.tokens), end - started)
+
+
+async def _propose_sampled(
+    drafter: AsyncDrafter,
+    committed: list[int],
+    k: int,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+) -> tuple[list[int], list[SparseDist | None]]:
+    """Draft tokens and their q. A drafter without `propose_sampled` gives no q: the
+    rule then uses the point mass at each token, which is exact for any proposal."""
+    propose = getattr(drafter, "propose_sampled", None)
+    if propose is None:
+        tokens = [int(t) for t in await drafter.propose(committed, k)][:k]
+        return tokens, [None] * len(tokens)
+    draft: Draft = await propose(committed, k, sampling, rng)
+    tokens = [int(t) for t in draft.tokens][:k]
+    dists: list[SparseDist | None] = list(draft.dists or [])[: len(tokens)]
+    return tokens, dists + [None] * (len(tokens) - len(dists))
+
+
+def verdict_of(result: VerifyResult) -> Verdict:
+    """The rule's view of one sampling verify result."""
+    if not result.candidates:
+        return Verdict(result.token, None)
+    ids = np.array([c[0] for c in result.candidates], dtype=np.int64)
+    probs = np.array([c[2] for c in result.candidates], dtype=np.float64)
+    dist = normalized(ids, probs)  # float32 values in the JSON: renormalise
+    # the candidates whose piece alone ends inside a UTF-8 character: had the server
+    # drawn one of them it would have sent no probabilities (see speculative_sample)
+    partial = frozenset(c[0] for c in result.candidates if valid_utf8_prefix(c[1]) < len(c[1]))
+    return Verdict(result.token, dist, partial)
+
+
+def _candidate_piece(result: VerifyResult, token: int) -> bytes | None:
+    for candidate, piece, _prob in result.candidates or ():
+        if candidate == token:
+            return piece
+    return None
 
 
 async def _close_quietly(drafter: AsyncDrafter | None) -> None:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.llama_server import LlamaServerProcess, find_llama_server
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,3 +84,75 @@ def managed_server(
     return LlamaServerProcess(
         find_llama_server(binary), Path(model), args, host=host, port=port, log_path=log_path
     )
+
+
+def write_key_file(key: str, folder: Path) -> Path:
+    """The upstream key as a 0600 file for `--api-key-file`: a key on the command line
+    would show in `ps` and in the proxy's own "starting llama-server" log line."""
+    path = folder / "upstream-api-key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key + "\n")
+    return path
+
+
+class ServerSupervisor:
+    """Managed mode: restart llama-server when it dies, on the same host and port, so
+    the proxy's upstream URL stays valid. Streams that were running when it died end
+    with an error event (the API's job); requests made while it restarts get 503 with
+    Retry-After. At most `max_restarts` restarts per `window_s`, then it gives up and
+    says so (a server that crashes at start-up would otherwise loop forever).
+    """
+
+    def __init__(
+        self,
+        server: LlamaServerProcess,
+        max_restarts: int = 5,
+        window_s: float = 600.0,
+        poll_s: float = 0.2,
+        start_timeout_s: float = 180.0,
+    ) -> None:
+        self.server = server
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.poll_s = poll_s
+        self.start_timeout_s = start_timeout_s
+        self.restarts = 0
+        self.gave_up = False
+        self._recent: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch(), name="llama-server supervisor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            if self.server.running:
+                continue
+            now = time.monotonic()
+            self._recent = [t for t in self._recent if now - t < self.window_s]
+            if len(self._recent) >= self.max_restarts:
+                self.gave_up = True
+                log.error(
+                    "llama-server died %d times within %.0f s; not restarting it again",
+                    len(self._recent) + 1, self.window_s,
+                )  # fmt: skip
+                return
+            self._recent.append(now)
+            log.error("llama-server at %s died; restarting it", self.server.base_url)
+            try:
+                await self.server.stop()  # reap the old process, close its log
+                await self.server.start(self.start_timeout_s)
+            except Exception as exc:  # the next poll retries
+                log.error("restarting llama-server failed: %s", exc)
+                continue
+            self.restarts += 1
+            log.info("llama-server restarted (%d so far)", self.restarts)

@@ -51,6 +51,11 @@ class ProxyMetrics:
         self.drafted_per_position: Counter[int] = Counter()
         self.requests: Counter[str] = Counter()  # by path taken: speculative / passthrough
         self.drafter_failures = 0
+        # sampling mode: what the Leviathan/Chen rule kept vs a match-only rule on the
+        # same drafts (accept while draft == the server's own sampled token)
+        self.sampled_draft_tokens = 0
+        self.sampled_accepted_tokens = 0
+        self.sampled_matched_tokens = 0
         self.decode_check_failures = 0
         self.draft_ms = Histogram(MS_BUCKETS)
         self.verify_ms = Histogram(MS_BUCKETS)
@@ -65,6 +70,10 @@ class ProxyMetrics:
             self.drafted_per_position[position] += 1
             if position < record.n_accepted:
                 self.accepted_per_position[position] += 1
+        if record.n_matched is not None:
+            self.sampled_draft_tokens += record.n_drafted
+            self.sampled_accepted_tokens += record.n_accepted
+            self.sampled_matched_tokens += record.n_matched
         self.draft_ms.observe(record.draft_ms)
         self.verify_ms.observe(record.verify_ms)
         self.overhead_ms.observe(record.overhead_ms)
@@ -100,6 +109,21 @@ class ProxyMetrics:
             "npu_spec_generated_tokens_total", "Tokens generated on the speculative path",
             self.generated_tokens,
         )  # fmt: skip
+        counter(
+            "npu_spec_sampled_draft_tokens_total",
+            "Tokens proposed by the drafter for sampling (temperature > 0) requests",
+            self.sampled_draft_tokens,
+        )
+        counter(
+            "npu_spec_sampled_accepted_tokens_total",
+            "Sampling-mode drafts accepted by the lossless speculative sampling rule",
+            self.sampled_accepted_tokens,
+        )
+        counter(
+            "npu_spec_sampled_greedy_match_tokens_total",
+            "Sampling-mode drafts a match-only rule would have accepted (same drafts)",
+            self.sampled_matched_tokens,
+        )
         counter(
             "npu_spec_drafter_failures_total",
             "Requests that fell back to plain decoding after a drafter error",

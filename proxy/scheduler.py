@@ -1,9 +1,11 @@
 """Slot groups: each speculative generation needs k+1 idle server slots at once.
 
 The scheduler hands out at most `n_groups` leases; a request that finds none free
-either waits in a FIFO queue (bounded by a timeout) or is told to go through
-plain pass-through, so the server never holds more verify tasks than slots
-(over-subscription splits the batch and re-prefills slots).
+either waits in a FIFO queue (bounded in length and in time) or is told to go
+through plain pass-through, so the server never holds more verify tasks than slots
+(over-subscription splits the batch and re-prefills slots). A full queue refuses
+at once (`QueueFull`: the API answers 503 with Retry-After) rather than letting
+waiters pile up without limit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ class SchedulerBusy(Exception):
     """No slot group free and the policy (or the queue timeout) says don't wait."""
 
 
+class QueueFull(SchedulerBusy):
+    """Every group is busy and `max_queue` requests already wait."""
+
+
 class SlotScheduler:
     def __init__(
         self,
@@ -25,6 +31,7 @@ class SlotScheduler:
         group_size: int,
         when_busy: Literal["queue", "passthrough"] = "queue",
         queue_timeout_s: float = 300.0,
+        max_queue: int | None = None,
     ) -> None:
         if group_size < 1:
             raise ValueError("group size must be at least 1")
@@ -32,6 +39,8 @@ class SlotScheduler:
         self.n_groups = total_slots // group_size
         self.when_busy = when_busy
         self.queue_timeout_s = queue_timeout_s
+        self.max_queue = max_queue  # None: unbounded (tests); the CLI always sets one
+        self.rejected = 0  # refused because the queue was full
         self._free: list[int] = list(range(self.n_groups))  # group numbers, lowest first
         self._waiters: list[asyncio.Future[int]] = []
 
@@ -63,6 +72,11 @@ class SlotScheduler:
             return self._free.pop(0)
         if self.when_busy == "passthrough":
             raise SchedulerBusy("all slot groups busy")
+        if self.max_queue is not None and self.queued >= self.max_queue:
+            self.rejected += 1
+            raise QueueFull(
+                f"all {self.n_groups} slot groups busy and {self.queued} requests queued"
+            )
         waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:

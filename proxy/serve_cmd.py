@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import secrets
 import shutil
 import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -46,6 +48,22 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (
         ("--attach-policy",),
         {"choices": ["refuse", "degrade"], "dest": "attach_policy"},
+    ),
+    # Keys on the command line are visible to other local users (ps): prefer
+    # NPU_SPEC_API_KEY / NPU_SPEC_UPSTREAM_API_KEY or the config file.
+    (("--api-key",), {"dest": "api_key", "help": "require Authorization: Bearer KEY"}),
+    (("--upstream-api-key",), {"dest": "upstream_api_key", "help": "key for llama-server"}),
+    (("--max-body-bytes",), {"type": int, "dest": "max_body_bytes"}),
+    (("--max-queue",), {"type": int, "dest": "max_queue", "help": "then 503 + Retry-After"}),
+    (
+        ("--no-slot-actions",),
+        {"action": "store_false", "dest": "allow_slot_actions", "default": None},
+    ),
+    (("--draft-timeout",), {"type": float, "dest": "draft_timeout_s"}),
+    (("--verify-timeout",), {"type": float, "dest": "verify_timeout_s"}),
+    (
+        ("--no-restart-server",),
+        {"action": "store_false", "dest": "restart_server", "default": None},
     ),
 ]
 
@@ -102,6 +120,18 @@ async def target_tokenizer_facts(upstream: Any) -> Any:
     )
 
 
+def _drafter_reloader(settings: ProxySettings, target: Any) -> Callable[[], Callable[[], Any]]:
+    """After a drafter failure: load the model again (a crashed NPU session may leave
+    the old one unusable) and hand back a fresh session opener. Runs in a thread."""
+
+    def reload() -> Callable[[], Any]:
+        opener, _model = _drafter_opener(settings, target)
+        assert opener is not None
+        return opener
+
+    return reload
+
+
 def _drafter_opener(
     settings: ProxySettings, target: Any = None
 ) -> tuple[Callable[[], Any] | None, Any]:
@@ -126,20 +156,31 @@ def _drafter_opener(
 async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> int:
     from proxy.api import build_state, create_app
     from proxy.attach_check import check_upstream
-    from proxy.managed import ServerLayout, managed_server
+    from proxy.managed import ServerLayout, ServerSupervisor, managed_server, write_key_file
     from proxy.upstream import Timeouts, UpstreamClient
 
     server = None
+    supervisor = None
     model = None
     runner: web.AppRunner | None = None
     upstream: UpstreamClient | None = None
     errors: list = []
     temp_slots: Path | None = None
+    key_dir: Path | None = None
+    upstream_key = settings.upstream_api_key
     try:
         if settings.target is not None:
             slot_dir = settings.slot_save_dir
             if slot_dir is None:  # slot files are ours alone: removed on exit
                 temp_slots = slot_dir = Path(tempfile.mkdtemp(prefix="npu-spec-slots-"))
+            server_args = list(settings.server_args)
+            if upstream_key is None and settings.api_key:
+                # a key on the proxy means nobody should reach the managed server
+                # around it: give the server a random key only the proxy knows
+                upstream_key = secrets.token_urlsafe(24)
+            if upstream_key is not None:
+                key_dir = Path(tempfile.mkdtemp(prefix="npu-spec-key-"))
+                server_args += ["--api-key-file", str(write_key_file(upstream_key, key_dir))]
             layout = ServerLayout(
                 settings.k, settings.ctx, settings.conversations, settings.passthrough_slots
             )
@@ -151,16 +192,26 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
                 host=settings.server_host,
                 port=settings.server_port,
                 slot_save_dir=slot_dir,
-                extra_args=settings.server_args,
+                extra_args=server_args,
                 log_path=settings.server_log,
             )
             await server.start()
             base_url = server.base_url
             log.info("managed llama-server at %s (%d slots)", base_url, layout.slots)
+            if settings.restart_server:
+                supervisor = ServerSupervisor(server, settings.max_restarts)
+                supervisor.start()
         else:
             assert settings.upstream is not None
             base_url = settings.upstream
-            findings = await check_upstream(base_url, settings.k, settings.conversations)
+        # Attached without an upstream key, clients' Authorization headers are
+        # forwarded as they came; the proxy's own calls then carry its own key, which
+        # is what those clients had to present.
+        own_key = upstream_key if upstream_key is not None else settings.api_key
+        if settings.target is None:
+            findings = await check_upstream(
+                base_url, settings.k, settings.conversations, api_key=own_key
+            )
             errors = [f for f in findings if f.severity == "error"]
             for finding in findings:
                 level = logging.ERROR if finding.severity == "error" else logging.INFO
@@ -172,7 +223,9 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
                     "--attach-policy degrade to pass everything through"
                 )
                 return 1
-        upstream = UpstreamClient(base_url, Timeouts(verify=settings.verify_timeout_s))
+        upstream = UpstreamClient(
+            base_url, Timeouts(verify=settings.verify_timeout_s), api_key=own_key
+        )
         facts = await target_tokenizer_facts(upstream)
         open_drafter, model = await asyncio.to_thread(_drafter_opener, settings, facts)
         if errors:  # attached with --attach-policy degrade
@@ -185,17 +238,33 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
             strict_decodes=settings.strict_decodes,
             when_busy=settings.when_busy,
             queue_timeout_s=settings.queue_timeout_s,
+            max_queue=settings.max_queue,
+            api_key=settings.api_key,
+            max_body_bytes=settings.max_body_bytes,
+            allow_slot_actions=settings.allow_slot_actions,
+            draft_timeout_s=settings.draft_timeout_s,
+            reload_drafter=_drafter_reloader(settings, facts) if open_drafter else None,
+            retry_after_s=settings.retry_after_s,
+            passthrough_read_timeout_s=settings.passthrough_read_timeout_s,
+            replace_upstream_auth=upstream_key is not None,
+            server_restarts=(lambda: supervisor.restarts) if supervisor is not None else None,
         )
         runner = web.AppRunner(create_app(state), handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
-        log.info("npu-spec proxy on http://%s:%d -> %s", settings.host, settings.port, base_url)
+        log.info("npu-spec proxy on http://%s:%d -> %s", settings.host, settings.port,
+                 redact_url(base_url))  # fmt: skip
+        if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+            log.warning("listening on %s without --api-key: anyone who can reach it may "
+                        "use the model", settings.host)  # fmt: skip
         if ready is not None:
             ready.set()
         await _wait_for_signal()
         return 0
     finally:
+        if supervisor is not None:
+            await supervisor.stop()
         if runner is not None:
             await runner.cleanup()
         if upstream is not None:
@@ -207,6 +276,17 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
             await server.stop()
         if temp_slots is not None:
             shutil.rmtree(temp_slots, ignore_errors=True)
+        if key_dir is not None:
+            shutil.rmtree(key_dir, ignore_errors=True)
+
+
+def redact_url(url: str) -> str:
+    """`url` without a password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 async def _wait_for_signal() -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import aiohttp
 
+from npu_draft.protocol import SamplingParams
+
 # Keys the verify batch needs back from each result; everything else is trimmed.
 VERIFY_FIELDS = ["index", "tokens", "content", "stop_type", "timings/cache_n", "id_slot"]
 
@@ -31,6 +33,43 @@ GREEDY_VERIFY_PARAMS: dict[str, Any] = {
     "stream": False,
     "response_fields": VERIFY_FIELDS,
 }
+
+
+# Sampling verification (DESIGN.md §4): the request's own chain, every other sampler
+# left out, and n_probs >= top_k with post_sampling_probs, so each result carries the
+# whole distribution the server samples from (top_k bounds its support).
+MAX_VERIFY_TOP_K = 128  # beyond this the per-round JSON gets heavy: pass through instead
+SAMPLING_CHAIN = ["top_k", "top_p", "min_p", "temperature"]  # llama.cpp's default order
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """A sampling request the speculative path mirrors exactly."""
+
+    chain: SamplingParams  # effective values: temperature > 0, 1 <= top_k <= MAX_VERIFY_TOP_K
+    min_keep: int = 0
+    seed: int | None = None  # None: unseeded (fresh entropy)
+
+
+def sampling_verify_params(spec: SamplingSpec, seed: int) -> dict[str, Any]:
+    chain = spec.chain
+    return {
+        "n_predict": 1,
+        "cache_prompt": True,
+        "return_tokens": True,
+        "temperature": chain.temperature,
+        "top_k": chain.top_k,
+        "top_p": chain.top_p,
+        "min_p": chain.min_p,
+        "min_keep": spec.min_keep,
+        "samplers": SAMPLING_CHAIN,
+        "n_probs": chain.top_k,
+        "post_sampling_probs": True,
+        "backend_sampling": False,
+        "seed": seed,  # the server's own draw is used for partial-UTF-8 positions
+        "stream": False,
+        "response_fields": [*VERIFY_FIELDS, "completion_probabilities"],
+    }
 
 
 class UpstreamError(Exception):
@@ -62,6 +101,9 @@ class VerifyResult:
     is_eog: bool  # the server stopped with stop_type "eos": an end-of-generation token
     cached: int = 0  # prompt tokens the slot reused from its cache (timings.cache_n)
     id_slot: int = -1  # the slot that served this prompt
+    # sampling verify only: (id, exact bytes, probability) of every candidate left after
+    # the chain, best first; None when the server sent none (partial UTF-8 token)
+    candidates: tuple[tuple[int, bytes, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,12 +133,18 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 class UpstreamClient:
     def __init__(
-        self, base_url: str, timeouts: Timeouts | None = None, pool_size: int = 64
+        self,
+        base_url: str,
+        timeouts: Timeouts | None = None,
+        pool_size: int = 64,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts or Timeouts()
         self._pool_size = pool_size
         self._session: aiohttp.ClientSession | None = None
+        # llama-server's --api-key; sent on every request, never logged
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -106,7 +154,10 @@ class UpstreamClient:
             connector = aiohttp.TCPConnector(limit=self._pool_size, keepalive_timeout=60)
             # auto_decompress off: pass-through must hand bodies on byte for byte.
             self._session = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False, raise_for_status=False
+                connector=connector,
+                auto_decompress=False,
+                raise_for_status=False,
+                headers=self._headers,
             )
         return self._session
 
@@ -242,16 +293,41 @@ class UpstreamClient:
         """A plain `/completion` call (non-streaming), for probes."""
         return await self._request_json("POST", "/completion", body, timeout=self.timeouts.verify)
 
-    async def verify(self, context: Sequence[int], draft: Sequence[int]) -> list[VerifyResult]:
+    async def eog_tokens(self) -> frozenset[int]:
+        """Every end-of-generation token id: `ignore_eos` makes the server list them
+        all as -inf logit biases in the generation settings it reports."""
+        body = {
+            "prompt": [0],
+            "n_predict": 1,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            "response_fields": ["generation_settings/logit_bias"],
+        }
+        payload = await self.completion(body)
+        biases = payload.get("generation_settings/logit_bias") or []
+        return frozenset(int(b["token"]) for b in biases if isinstance(b, dict) and "token" in b)
+
+    async def verify(
+        self,
+        context: Sequence[int],
+        draft: Sequence[int],
+        sampling: SamplingSpec | None = None,
+        seed: int = 0,
+    ) -> list[VerifyResult]:
         """Score `draft` after `context` in one batched pass (DESIGN.md §2).
 
-        Returns k+1 results: result i is the target's greedy token after
-        context + draft[:i]. No `id_slot`, no `n_cmpl`: each prompt must pick the
-        idle slot sharing its longest prefix.
+        Returns k+1 results: result i is the target's next token after
+        context + draft[:i] (greedy, or with `sampling` its own draw with `seed` plus
+        the full post-sampling distribution). No `id_slot`, no `n_cmpl`: each prompt
+        must pick the idle slot sharing its longest prefix.
         """
         context = list(context)
         prompts = [context + list(draft[:i]) for i in range(len(draft) + 1)]
-        body = {"prompt": prompts, **GREEDY_VERIFY_PARAMS}
+        if sampling is None:
+            body = {"prompt": prompts, **GREEDY_VERIFY_PARAMS}
+        else:
+            body = {"prompt": prompts, **sampling_verify_params(sampling, seed)}
         payload = await self._request_json(
             "POST", "/completion", body, timeout=self.timeouts.verify
         )
@@ -276,9 +352,21 @@ class UpstreamClient:
                     is_eog=result.get("stop_type") == "eos",
                     cached=int(result.get("timings/cache_n", 0)),
                     id_slot=int(result.get("id_slot", -1)),
+                    candidates=None if sampling is None else parse_candidates(result),
                 )
             )
         return out
+
+
+def parse_candidates(result: dict[str, Any]) -> tuple[tuple[int, bytes, float], ...] | None:
+    """The post-sampling candidates of a one-token result, None if it has none."""
+    probs = result.get("completion_probabilities") or []
+    if not probs:
+        return None
+    top = probs[0].get("top_probs") or []
+    if not top:
+        return None
+    return tuple((int(c["id"]), bytes(c["bytes"]), float(c["prob"])) for c in top)
 
 
 def _error_message(payload: Any) -> str | None:

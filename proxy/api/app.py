@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
+import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from proxy.api import shapes
-from proxy.api.errors import json_error_response, upstream_error_response
+from proxy.api.errors import error_response, json_error_response, upstream_error_response
+from proxy.api.guard import (
+    NOT_JSON,
+    RESERVED_SLOT_PREFIX,
+    GuardSettings,
+    middlewares,
+    parsed_body,
+)
 from proxy.api.passthrough import HEADER, forward
 from proxy.api.requests import NotEligible, PromptSpec, parse_chat, parse_completion
+from proxy.drafter_guard import DrafterSupervisor
 from proxy.engine import (
     AsyncDrafter,
     Generation,
@@ -25,7 +33,7 @@ from proxy.engine import (
     TokenEvent,
 )
 from proxy.metrics import ProxyMetrics
-from proxy.scheduler import SchedulerBusy, SlotScheduler
+from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
 from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -46,9 +54,30 @@ class ProxyState:
 
     replicate_prefill: bool = True
 
+    # reliability and security
+    guard: GuardSettings = field(default_factory=GuardSettings)
+    draft_timeout_s: float = 30.0
+    reload_drafter: Callable[[], Callable[[], AsyncDrafter]] | None = None
+    retry_after_s: int = 2
+    passthrough_read_timeout_s: float | None = None  # None: wait as long as the server
+    replace_upstream_auth: bool = False  # the upstream key replaces the client's header
+    server_restarts: Callable[[], int] | None = None  # managed mode: restarts so far
+
     def __post_init__(self) -> None:
         self.pieces = PieceCache(self.upstream)
         self.replicator = SlotReplicator(self.upstream) if self.replicate_prefill else None
+        self.drafters = (
+            DrafterSupervisor(
+                self.open_drafter, self.reload_drafter, self.draft_timeout_s, self.guard.n_vocab
+            )
+            if self.open_drafter is not None
+            else None
+        )
+        # Slot files the proxy writes: generated names, unguessable, and refused to
+        # clients (guard.RESERVED_SLOT_PREFIX), so no request can swap their contents.
+        self.slot_file_stem = f"{RESERVED_SLOT_PREFIX}{secrets.token_hex(8)}"
+        self.client_disconnects = 0
+        self.upstream_failures = 0  # speculative requests ended by a failing server
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -93,14 +122,26 @@ async def build_state(
     when_busy: str = "queue",
     queue_timeout_s: float = 300.0,
     replicate_prefill: bool = True,
+    max_queue: int | None = None,
+    **reliability: Any,
 ) -> ProxyState:
-    """Read the server's facts (props, settings template) and assemble the state."""
+    """Read the server's facts (props, settings template) and assemble the state.
+
+    `reliability` takes the ProxyState fields of that section; `api_key`,
+    `max_body_bytes` and `allow_slot_actions` go into its GuardSettings.
+    """
     props = await upstream.props()
     template = await probe_settings_template(upstream)
     if scheduler is None:
         scheduler = SlotScheduler(
-            int(props.get("total_slots", 1)), k + 1, when_busy, queue_timeout_s
+            int(props.get("total_slots", 1)), k + 1, when_busy, queue_timeout_s, max_queue
         )
+    guard_fields = {
+        name: reliability.pop(name)
+        for name in ("api_key", "max_body_bytes", "allow_slot_actions")
+        if name in reliability
+    }
+    reliability["guard"] = GuardSettings(n_vocab=await _vocab_size(upstream), **guard_fields)
     return ProxyState(
         upstream=upstream,
         scheduler=scheduler,
@@ -112,11 +153,24 @@ async def build_state(
         check_decodes=check_decodes,
         strict_decodes=strict_decodes,
         replicate_prefill=replicate_prefill,
+        **reliability,
     )
 
 
+async def _vocab_size(upstream: UpstreamClient) -> int | None:
+    try:
+        models = await upstream.models()
+        meta = (models.get("data") or [{}])[0].get("meta") or {}
+        return int(meta["n_vocab"])
+    except (UpstreamError, UpstreamClientError, KeyError, TypeError, ValueError, IndexError):
+        return None  # token ids then go to the server unchecked
+
+
 def create_app(state: ProxyState) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    # client_max_size: bodies without a Content-Length are cut off at the limit too
+    app = web.Application(
+        client_max_size=state.guard.max_body_bytes, middlewares=middlewares(state.guard)
+    )
     app[STATE] = state
     app.router.add_post("/completion", completion_native)
     app.router.add_post("/completions", completion_native)
@@ -134,19 +188,79 @@ def create_app(state: ProxyState) -> web.Application:
 async def passthrough(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.metrics.observe_request("passthrough")
-    return await forward(request, state.upstream)
+    return await _forward(request, state)
+
+
+async def _forward(
+    request: web.Request, state: ProxyState, body: bytes | None = None
+) -> web.StreamResponse:
+    return await forward(
+        request,
+        state.upstream,
+        body,
+        replace_auth=state.replace_upstream_auth,
+        read_timeout_s=state.passthrough_read_timeout_s,
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
     """The proxy's counters, followed by the server's own when it exposes them."""
     state = request.app[STATE]
-    page = state.metrics.render()
+    page = state.metrics.render() + reliability_metrics(state)
     try:
         page += await state.upstream.metrics_text()
     except UpstreamError as exc:
         log.debug("no upstream metrics: %s", exc)
     response = web.Response(text=page, content_type="text/plain")
     response.headers[HEADER] = "speculative"
+    return response
+
+
+def reliability_metrics(state: ProxyState) -> str:
+    """Gauges and counters of the fault paths (Prometheus text)."""
+    drafters = state.drafters.snapshot() if state.drafters is not None else {}
+    rows = [
+        ("npu_spec_slot_groups_active", "gauge", "Slot groups held by generations",
+         state.scheduler.active),
+        ("npu_spec_queue_length", "gauge", "Requests waiting for a slot group",
+         state.scheduler.queued),
+        ("npu_spec_queue_rejections_total", "counter",
+         "Requests refused with 503 because the queue was full", state.scheduler.rejected),
+        ("npu_spec_drafter_sessions_open", "gauge", "Draft sessions not yet closed",
+         drafters.get("sessions_open", 0)),
+        ("npu_spec_drafter_faults_total", "counter",
+         "Drafter errors, timeouts, bad drafts and failed opens (each served plainly)",
+         drafters.get("failures", 0)),
+        ("npu_spec_drafter_recreations_total", "counter",
+         "Times the drafter was re-created after a failure", drafters.get("recreations", 0)),
+        ("npu_spec_client_disconnects_total", "counter",
+         "Requests to the speculative routes whose client went away", state.client_disconnects),
+        ("npu_spec_upstream_failures_total", "counter",
+         "Speculative requests ended by an unreachable or failing llama-server",
+         state.upstream_failures),
+    ]  # fmt: skip
+    if state.server_restarts is not None:
+        rows.append(
+            ("npu_spec_server_restarts_total", "counter",
+             "Times managed mode restarted a llama-server that died", state.server_restarts())
+        )  # fmt: skip
+    lines: list[str] = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+    return "\n".join(lines) + "\n"
+
+
+def busy_response(state: ProxyState, message: str) -> web.Response:
+    response = error_response(503, message, spec_header="speculative")
+    response.headers["Retry-After"] = str(state.retry_after_s)
+    return response
+
+
+def _upstream_failure(state: ProxyState, exc: UpstreamError) -> web.Response:
+    state.upstream_failures += 1
+    response = upstream_error_response(exc, spec_header="speculative")
+    if response.status == 503:  # down or restarting: worth retrying shortly
+        response.headers["Retry-After"] = str(state.retry_after_s)
     return response
 
 
@@ -173,6 +287,17 @@ async def _tokenize_prompt(upstream: UpstreamClient, prompt: PromptSpec) -> list
 
 
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
+    try:
+        return await _serve_request(request, kind)
+    except asyncio.CancelledError:
+        # The client went away, at whatever point: a queued waiter was removed, the
+        # engine's finally closed the draft session, the slot group went back, and
+        # closing the verify request made llama-server drop its tasks.
+        request.app[STATE].client_disconnects += 1
+        raise
+
+
+async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     request_id = f"r{next(_request_ids)}"
     raw = await request.read()
@@ -180,14 +305,13 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     async def pass_on(reason: str) -> web.StreamResponse:
         log.info("[%s] %s %s: pass-through (%s)", request_id, request.method, request.path, reason)
         state.metrics.observe_request("passthrough")
-        return await forward(request, state.upstream, raw)
+        return await _forward(request, state, raw)
 
-    if state.open_drafter is None:
+    if state.drafters is None:
         return await pass_on("no drafter configured")
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return await pass_on("invalid JSON: the server answers with its own error")
+    body = parsed_body(request)  # the guard parsed every non-empty body
+    if body is None or body is NOT_JSON:
+        return await pass_on("no JSON body: the server answers with its own error")
     try:
         if kind == "chat":
             params = parse_chat(body, state.defaults)
@@ -202,13 +326,21 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     except UpstreamClientError as exc:
         return await pass_on(f"server refused a helper call: {exc}")
     except UpstreamError as exc:
-        return upstream_error_response(exc, spec_header="speculative")
+        return _upstream_failure(state, exc)
     if not tokens:
         return await pass_on("empty prompt")
+    vocab = state.guard.n_vocab
+    if vocab is not None and any(not 0 <= t < vocab for t in tokens):
+        # the server's own answer for such a prompt (server-common.cpp validate)
+        return error_response(400, "Prompt contains invalid tokens", spec_header="speculative")
 
     try:
         group = await state.scheduler.acquire()
+    except QueueFull as exc:
+        return busy_response(state, str(exc))
     except SchedulerBusy as exc:
+        if state.scheduler.when_busy == "queue":  # waited the whole queue timeout
+            return busy_response(state, str(exc))
         return await pass_on(str(exc))
     try:
         state.metrics.observe_request("speculative")
@@ -226,21 +358,23 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         generation = Generation(
             state.upstream,
             tokens,
-            GenerationParams(n_predict=params.n_predict, stop=params.stop, k=state.k),
+            GenerationParams(
+                n_predict=params.n_predict, stop=params.stop, k=state.k, sampling=params.sampling
+            ),
             n_ctx=state.n_ctx,
-            drafter=state.open_drafter(),
+            drafter=await state.drafters.open(),
             pieces=state.pieces,
             observer=state.metrics,
             check_decodes=state.check_decodes,
             strict_decodes=state.strict_decodes,
             request_id=request_id,
             replicator=state.replicator,
-            slot_file=f"npu-spec-group-{group}.bin",  # one file per group: no clashes
+            slot_file=f"{state.slot_file_stem}-g{group}.bin",  # one file per group
         )
         log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, len(tokens))
         if params.stream:
-            return await _stream(request, kind, generation, ctx, prompt_text)
-        return await _complete(kind, generation, ctx, prompt_text)
+            return await _stream(request, state, kind, generation, ctx, prompt_text)
+        return await _complete(state, kind, generation, ctx, prompt_text)
     finally:
         state.scheduler.release(group)
 
@@ -251,21 +385,27 @@ def _spec_json(body: dict[str, Any]) -> web.Response:
     return response
 
 
-def _engine_error(exc: Exception) -> web.Response:
+def _engine_error(state: ProxyState, exc: Exception) -> web.Response:
     if isinstance(exc, UpstreamClientError):
         return json_error_response(exc.status, exc.body, spec_header="speculative")
-    assert isinstance(exc, UpstreamError)
-    return upstream_error_response(exc, spec_header="speculative")
+    if isinstance(exc, UpstreamError):
+        return _upstream_failure(state, exc)
+    log.error("speculative generation failed: %r", exc, exc_info=exc)
+    return error_response(500, f"speculative generation failed: {exc}", spec_header="speculative")
 
 
 async def _complete(
-    kind: str, generation: Generation, ctx: shapes.ResponseContext, prompt_text: str
+    state: ProxyState,
+    kind: str,
+    generation: Generation,
+    ctx: shapes.ResponseContext,
+    prompt_text: str,
 ) -> web.Response:
     try:
         async for _event in generation.run():
             pass
-    except (UpstreamClientError, UpstreamError) as exc:
-        return _engine_error(exc)
+    except Exception as exc:  # every failure becomes a JSON error
+        return _engine_error(state, exc)
     result = generation.result
     assert result is not None
     if kind == "native":
@@ -294,6 +434,7 @@ class _ChatStreamState:
 
 async def _stream(
     request: web.Request,
+    state: ProxyState,
     kind: str,
     generation: Generation,
     ctx: shapes.ResponseContext,
@@ -305,8 +446,9 @@ async def _stream(
         first: TokenEvent | None = await anext(events)
     except StopAsyncIteration:
         first = None
-    except (UpstreamClientError, UpstreamError) as exc:
-        return _engine_error(exc)
+    except Exception as exc:  # every failure becomes a JSON error
+        await events.aclose()
+        return _engine_error(state, exc)
     response = web.StreamResponse(status=200)
     response.content_type = "text/event-stream"
     response.headers[HEADER] = "speculative"
@@ -360,17 +502,34 @@ async def _stream(
             for chunk in shapes.chat_final_chunks(ctx, result, chat.update("")):
                 await response.write(shapes.sse(chunk))
             await response.write(b"data: [DONE]\n\n")
-    except (UpstreamClientError, UpstreamError) as exc:
-        error = exc.body.get("error", {}) if isinstance(exc, UpstreamClientError) else {
-            "code": 503 if exc.status in (503, 504) else 502,
-            "message": str(exc),
-            "type": "unavailable_error",
-        }  # fmt: skip
-        await response.write(shapes.sse({"error": error}))
     except (ConnectionResetError, asyncio.CancelledError):
         await events.aclose()
         raise
+    except Exception as exc:
+        # The stream already said 200: end it with an error event, as llama-server
+        # does, and without the final chunk or [DONE], so no client can take the
+        # truncated text for a complete answer.
+        await response.write(shapes.sse({"error": _stream_error(state, exc)}))
     finally:
         await events.aclose()
     await response.write_eof()
     return response
+
+
+def _stream_error(state: ProxyState, exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, UpstreamClientError):
+        return exc.body.get("error", {}) or {"code": exc.status, "message": str(exc)}
+    if isinstance(exc, UpstreamError):
+        state.upstream_failures += 1
+        log.warning("stream ended by the upstream: %s", exc)
+        return {
+            "code": 503 if exc.status in (503, 504) else 502,
+            "message": f"generation interrupted: {exc}",
+            "type": "unavailable_error",
+        }
+    log.error("speculative stream failed: %r", exc, exc_info=exc)
+    return {
+        "code": 500,
+        "message": f"generation interrupted: {exc}",
+        "type": "server_error",
+    }

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 import aiohttp
 from aiohttp import web
 
@@ -19,15 +22,34 @@ _DROP_RESPONSE = {
 }  # fmt: skip
 
 HEADER = "X-Npu-Spec"
+# With an upstream key configured these never leave the proxy: the session's own
+# Authorization header (the upstream key) takes their place.
+_CLIENT_AUTH = {"authorization", "x-api-key"}
+
+log = logging.getLogger(__name__)
+
+
+class UpstreamBroke(ConnectionResetError):
+    """llama-server's answer stopped half-way: the client connection is dropped
+    rather than ended cleanly, so a cut body never looks complete."""
 
 
 async def forward(
-    request: web.Request, upstream: UpstreamClient, body: bytes | None = None
+    request: web.Request,
+    upstream: UpstreamClient,
+    body: bytes | None = None,
+    replace_auth: bool = False,
+    read_timeout_s: float | None = None,
 ) -> web.StreamResponse:
-    """Pass `request` (with its already-read `body`, if any) to the upstream server."""
+    """Pass `request` (with its already-read `body`, if any) to the upstream server.
+
+    `read_timeout_s` bounds each silence of the server (not the whole answer: a long
+    generation is fine, a stalled server is not).
+    """
     if body is None:
         body = await request.read()
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+    drop = _DROP_REQUEST | _CLIENT_AUTH if replace_auth else _DROP_REQUEST
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
     url = upstream.base_url + request.rel_url.raw_path_qs
     try:
         upstream_response = await upstream.session.request(
@@ -36,7 +58,7 @@ async def forward(
             headers=headers,
             data=body if body else None,
             timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=upstream.timeouts.connect, sock_read=None
+                total=None, sock_connect=upstream.timeouts.connect, sock_read=read_timeout_s
             ),
             allow_redirects=False,
         )
@@ -69,7 +91,19 @@ async def forward(
         await response.prepare(request)
         # A client that goes away cancels this handler; leaving the `async with`
         # closes the upstream connection, which makes llama-server drop the task.
-        async for chunk in upstream_response.content.iter_any():
-            await response.write(chunk)
+        try:
+            async for chunk in upstream_response.content.iter_any():
+                await response.write(chunk)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            reason = "stalled" if isinstance(exc, TimeoutError) else f"broke off ({exc!r})"
+            log.warning("pass-through %s %s: llama-server %s", request.method, request.path,
+                        reason)  # fmt: skip
+            if upstream_response.content_type == "text/event-stream":
+                # an SSE client gets the server's own way of ending a failed stream
+                error = {"code": 502, "message": f"upstream llama-server {reason}",
+                         "type": "server_error"}  # fmt: skip
+                await response.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
+            else:
+                raise UpstreamBroke(f"upstream answer to {request.path} cut off") from exc
         await response.write_eof()
         return response

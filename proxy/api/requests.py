@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from npu_draft.protocol import SamplingParams
+from proxy.upstream import MAX_VERIFY_TOP_K, SAMPLING_CHAIN, SamplingSpec
+
 
 class NotEligible(Exception):
     """The request must be passed through; the message says why (for logs)."""
@@ -63,6 +66,69 @@ class SpecParams:
     stream: bool
     include_usage: bool = False
     request_fields: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingSpec | None = None  # None: greedy
+
+
+# llama.cpp's default chain; the server's own (from /props) may reorder or drop stages.
+DEFAULT_SAMPLERS = [
+    "penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature",
+]  # fmt: skip
+# Stages that are no-ops at their neutral values (checked in _NOOP_SAMPLING or below).
+_NEUTRAL_STAGES = {"penalties", "dry", "top_n_sigma", "typ_p", "xtc"}
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # the server's "-1": a random seed
+
+
+def _sampling_spec(
+    body: dict[str, Any], defaults: dict[str, Any], temperature: float
+) -> SamplingSpec:
+    """The exact sampling chain of a temperature > 0 request, or NotEligible.
+
+    The verify batch applies top_k -> top_p -> min_p -> temperature and nothing else,
+    so the request's effective chain must be exactly that (other stages neutral),
+    and top_k must bound the distribution so n_probs can return all of it.
+    """
+    samplers = defaults.get("samplers") or DEFAULT_SAMPLERS
+    if not isinstance(samplers, list) or not all(isinstance(x, str) for x in samplers):
+        raise NotEligible("unknown server sampler chain")
+    unknown = [x for x in samplers if x not in SAMPLING_CHAIN and x not in _NEUTRAL_STAGES]
+    if unknown:
+        raise NotEligible(f"sampler stages the speculative path does not mirror: {unknown}")
+    mirrored = [x for x in samplers if x in SAMPLING_CHAIN]
+    if mirrored != [x for x in SAMPLING_CHAIN if x in mirrored]:
+        raise NotEligible(f"sampler order {mirrored} differs from {SAMPLING_CHAIN}")
+    for stage in ("top_k", "temperature"):
+        if stage not in mirrored:
+            raise NotEligible(f"the server's chain has no {stage}")
+    for key in ("top_n_sigma", "dynatemp_range"):  # both neutral at <= 0
+        value = _effective(body, defaults, key)
+        if value is not None and not (_is_number(value) and value <= 0.0):
+            raise NotEligible(f"{key}={value!r} is not mirrored")
+    top_k = _effective(body, defaults, "top_k")
+    if not _is_int(top_k) or not 1 <= top_k <= MAX_VERIFY_TOP_K:
+        raise NotEligible(f"top_k={top_k!r}: sampling needs 1 <= top_k <= {MAX_VERIFY_TOP_K}")
+    top_p = _effective(body, defaults, "top_p")
+    min_p = _effective(body, defaults, "min_p")
+    min_keep = _effective(body, defaults, "min_keep")
+    for key, value in (("top_p", top_p), ("min_p", min_p), ("min_keep", min_keep)):
+        if value is not None and not _is_number(value):
+            raise NotEligible(f"{key} is not a number")
+    if min_keep is not None and not (_is_int(min_keep) and min_keep >= 0):
+        raise NotEligible("min_keep is not a non-negative integer")
+    seed = _effective(body, defaults, "seed")
+    if seed is not None and not _is_int(seed):
+        raise NotEligible("seed is not an integer")
+    seed = None if seed is None else seed % 2**32  # the server keeps it as uint32
+    chain = SamplingParams(
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p) if top_p is not None and "top_p" in mirrored else 1.0,
+        min_p=float(min_p) if min_p is not None and "min_p" in mirrored else 0.0,
+    )
+    return SamplingSpec(
+        chain=chain,
+        min_keep=int(min_keep or 0),
+        seed=None if seed == LLAMA_DEFAULT_SEED else seed,
+    )
 
 
 def _effective(body: dict[str, Any], defaults: dict[str, Any], key: str) -> Any:
@@ -91,8 +157,8 @@ def _check_common(body: dict[str, Any], defaults: dict[str, Any], allowed: set[s
     top_k = _effective(body, defaults, "top_k")
     if not _is_number(temperature):
         raise NotEligible("temperature is not a number")
-    if not (temperature <= 0.0 or (_is_int(top_k) and top_k == 1)):
-        raise NotEligible(f"sampling at temperature {temperature} (greedy only for now)")
+    greedy = temperature <= 0.0 or (_is_int(top_k) and top_k == 1)
+    sampling = None if greedy else _sampling_spec(body, defaults, temperature)
 
     limits = [k for k in ("n_predict", "max_tokens", "max_completion_tokens") if k in body]
     if len(limits) > 1:
@@ -127,6 +193,7 @@ def _check_common(body: dict[str, Any], defaults: dict[str, Any], allowed: set[s
         stream=bool(body.get("stream", False)),
         include_usage=include_usage,
         request_fields=body,
+        sampling=sampling,
     )
 
 

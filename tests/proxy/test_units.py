@@ -252,7 +252,7 @@ def test_greedy_native_request_is_eligible():
 @pytest.mark.parametrize(
     "body",
     [
-        {"prompt": "hi"},  # the server's default temperature 0.8 samples
+        {"prompt": "hi", "typical_p": 0.9},  # sampling with a stage the engine does not mirror
         {"prompt": "hi", "temperature": 0, "grammar": "root ::= [a-z]"},
         {"prompt": "hi", "temperature": 0, "n_probs": 2},
         {"prompt": "hi", "temperature": 0, "repeat_penalty": 1.1},

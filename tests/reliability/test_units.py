@@ -1,0 +1,248 @@
+"""Fast checks of the fault machinery with fakes: managed-mode restarts, drafter
+supervision, cut pass-through answers, the table renderer."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from proxy.api import ProxyState, create_app
+from proxy.drafter_guard import DrafterSupervisor
+from proxy.llama_server import free_port
+from proxy.managed import ServerSupervisor
+from proxy.metrics import ProxyMetrics
+from proxy.scheduler import SlotScheduler
+from proxy.serve_cmd import redact_url
+from proxy.upstream import UpstreamClient
+from tests.reliability.tools import REPO, sse_events
+
+# -- managed mode: restarting a dead llama-server ------------------------------------------
+
+
+class FakeServer:
+    base_url = "http://127.0.0.1:1"
+
+    def __init__(self, fail_starts: int = 0) -> None:
+        self.running = True
+        self.starts = 0
+        self.fail_starts = fail_starts
+
+    async def stop(self) -> None:
+        self.running = False
+
+    async def start(self, timeout: float = 0) -> None:
+        self.starts += 1
+        if self.fail_starts > 0:
+            self.fail_starts -= 1
+            raise RuntimeError("model file vanished")
+        self.running = True
+
+
+async def test_supervisor_restarts_a_dead_server_then_gives_up():
+    server = FakeServer()
+    supervisor = ServerSupervisor(server, max_restarts=2, poll_s=0.01)  # type: ignore[arg-type]
+    supervisor.start()
+    try:
+        for expected in (1, 2):
+            server.running = False  # "killed"
+            async with asyncio.timeout(5):
+                while supervisor.restarts < expected:
+                    await asyncio.sleep(0.01)
+        server.running = False  # a third death within the window: give up, say so
+        async with asyncio.timeout(5):
+            while not supervisor.gave_up:
+                await asyncio.sleep(0.01)
+        assert supervisor.restarts == 2 and not server.running
+    finally:
+        await supervisor.stop()
+
+
+async def test_supervisor_retries_a_failed_restart():
+    server = FakeServer(fail_starts=1)
+    supervisor = ServerSupervisor(server, max_restarts=3, poll_s=0.01)  # type: ignore[arg-type]
+    supervisor.start()
+    try:
+        server.running = False
+        async with asyncio.timeout(5):
+            while supervisor.restarts < 1:
+                await asyncio.sleep(0.01)
+        assert server.starts == 2 and server.running
+    finally:
+        await supervisor.stop()
+
+
+# -- drafter supervision ----------------------------------------------------------------
+
+
+class Session:
+    def __init__(self, fail: bool = False, hang: bool = False) -> None:
+        self.fail, self.hang, self.closed = fail, hang, False
+
+    async def propose(self, committed, k):
+        if self.hang:
+            await asyncio.sleep(60)
+        if self.fail:
+            raise RuntimeError("NPU lost")
+        return [1] * k
+
+    async def close(self):
+        self.closed = True
+
+
+async def test_drafter_supervisor_recreates_after_a_failure():
+    sessions: list[Session] = []
+    reloads: list[int] = []
+
+    def opener() -> Session:
+        sessions.append(Session(fail=len(sessions) == 0))
+        return sessions[-1]
+
+    def reload():
+        reloads.append(1)
+        return opener
+
+    supervisor = DrafterSupervisor(opener, reload, propose_timeout_s=1.0, n_vocab=10)
+    first = await supervisor.open()
+    assert first is not None and supervisor.sessions_open == 1
+    with pytest.raises(RuntimeError):
+        await first.propose([1, 2], 3)
+    await first.close()
+    await first.close()  # closing twice counts once
+    assert supervisor.sessions_open == 0 and supervisor.failures == 1
+    second = await supervisor.open()
+    assert second is not None and reloads == [1] and supervisor.recreations == 1
+    assert await second.propose([1], 2) == [1, 1]
+    await second.close()
+    assert all(s.closed for s in sessions)
+
+
+async def test_drafter_supervisor_bounds_time_and_checks_ids():
+    supervisor = DrafterSupervisor(lambda: Session(hang=True), propose_timeout_s=0.05)
+    session = await supervisor.open()
+    assert session is not None
+    with pytest.raises(Exception, match="took over"):
+        await session.propose([1], 2)
+    await session.close()
+
+    class Garbage(Session):
+        async def propose(self, committed, k):
+            return [5, 99]
+
+    supervisor = DrafterSupervisor(Garbage, n_vocab=10)
+    session = await supervisor.open()
+    assert session is not None
+    with pytest.raises(Exception, match="outside"):
+        await session.propose([1], 2)
+    await session.close()
+    assert supervisor.failures == 1 and supervisor.sessions_open == 0
+
+
+async def test_drafter_that_cannot_open_means_plain_decoding():
+    def broken():
+        raise OSError("no NPU")
+
+    supervisor = DrafterSupervisor(broken)
+    assert await supervisor.open() is None
+    assert supervisor.failures == 1 and supervisor.sessions_open == 0
+
+
+# -- pass-through answers cut off by the server ----------------------------------------------
+
+
+async def _half_answer_server(content_type: str) -> tuple[asyncio.Server, str]:
+    """An 'llama-server' that starts a chunked answer and dies half-way."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        chunk = b'data: {"content": "half"}\n\n'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: " + content_type.encode() + b"\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    port = free_port()
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _state(url: str) -> ProxyState:
+    props = {"default_generation_settings": {"params": {}, "n_ctx": 512}}
+    return ProxyState(
+        upstream=UpstreamClient(url), scheduler=SlotScheduler(2, 2), metrics=ProxyMetrics(),
+        props=props, k=1, open_drafter=None, settings_template={},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("content_type", ["text/event-stream", "application/json"])
+async def test_cut_pass_through_answer_never_looks_complete(content_type):
+    server, url = await _half_answer_server(content_type)
+    state = _state(url)
+    try:
+        async with TestClient(TestServer(create_app(state))) as client:
+            response = await client.post("/completion", json={"prompt": "x", "stream": True})
+            if content_type == "text/event-stream":
+                events, done = sse_events(await response.read())
+                assert events[0] == {"content": "half"} and "error" in events[-1] and not done
+            else:
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await response.read()
+    finally:
+        server.close()
+        await state.upstream.close()
+
+
+# -- small pieces ------------------------------------------------------------------------------
+
+
+def test_redact_url():
+    assert redact_url("http://u:secret@127.0.0.1:8080/x") == "http://u:***@127.0.0.1:8080/x"
+    assert redact_url("http://127.0.0.1:8080") == "http://127.0.0.1:8080"
+
+
+def test_reliability_table_renders_records(tmp_path):
+    spec = importlib.util.spec_from_file_location("rt", REPO / "scripts" / "reliability_table.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rt"] = module
+    spec.loader.exec_module(module)
+    row = {"suite": "faults", "fault": "a|b", "cases": 3, "outcome": "ok", "test": "t",
+           "command": "pytest t", "recorded": "2026-01-01T00:00:00Z"}  # fmt: skip
+    (tmp_path / "r.json").write_text(json.dumps(row))
+    table = module.render(module.load_rows(tmp_path))
+    assert "| faults | a\\|b | 3 | ok | `pytest t` |" in table and "3 cases" in table
+    doc = f"intro\n{module.START}\nold\n{module.END}\ntail\n"
+    assert (
+        module.replace_table(doc, table) == f"intro\n{module.START}\n{table}\n{module.END}\ntail\n"
+    )
+    with pytest.raises(SystemExit):
+        module.replace_table("no markers", table)
+
+
+def test_new_settings_from_cli_env_and_file(tmp_path, monkeypatch):
+    import argparse
+
+    from proxy.serve_cmd import add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = tmp_path / "npu-spec.toml"
+    config.write_text('max-body-bytes = 2048\nupstream-api-key = "file-key"\n')
+    monkeypatch.setenv("NPU_SPEC_MAX_QUEUE", "7")
+    args = parser.parse_args(
+        ["--upstream", "http://127.0.0.1:1", "--api-key", "k", "--no-slot-actions",
+         "--draft-timeout", "2.5", "--config", str(config), "-k", "3"]
+    )  # fmt: skip
+    settings = settings_from_args(args)
+    assert settings.api_key == "k" and settings.upstream_api_key == "file-key"
+    assert settings.max_body_bytes == 2048 and settings.max_queue == 7
+    assert settings.allow_slot_actions is False and settings.draft_timeout_s == 2.5
+    assert settings.k == 3 and settings.restart_server is True  # older names unchanged
