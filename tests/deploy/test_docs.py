@@ -13,11 +13,13 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from proxy import cli, doctor
 from proxy.api.app import create_app
+from proxy.api.guard import GuardSettings
 from proxy.config import ProxySettings
 from proxy.managed import ServerLayout
 from proxy.metrics import ProxyMetrics
@@ -119,7 +121,8 @@ def test_urls_use_the_ports_the_stack_publishes() -> None:
 
 def test_every_route_the_proxy_registers_is_documented() -> None:
     text = CLIENTS.read_text()
-    app = create_app(object())  # routing only: no request reaches the state
+    # routing only: no request reaches the state, which needs just its guard settings
+    app = create_app(SimpleNamespace(guard=GuardSettings()))
     paths = {route.resource.canonical for route in app.router.routes()} - {"/{tail}"}
     for path in paths | {"/v1/models", "/health"}:
         assert f"{path}`" in text, f"CLIENTS.md does not mention {path}"
