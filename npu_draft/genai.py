@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from npu_draft import providers
-from npu_draft.onnx_runner import folder_max_context
+from npu_draft.onnx_runner import DEFAULT_MAX_CONTEXT, folder_max_context
 from npu_draft.protocol import (
     GREEDY,
     CancelToken,
@@ -39,7 +39,6 @@ from npu_draft.tokenizer_check import drafter_facts
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_CONTEXT = 4096  # the shared KV buffer is allocated for max_length
 
 # genai_config.json provider names -> ours
 _GENAI_TO_OURS = {"vitisai": "npu", "ryzenai": "npu", "cuda": "cuda", "cpu": "cpu"}

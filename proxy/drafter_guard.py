@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from proxy.engine import AsyncDrafter
@@ -40,26 +40,7 @@ class GuardedDrafter:
         self._closed = False
 
     async def propose(self, committed: Sequence[int], k: int) -> list[int]:
-        try:
-            draft = await asyncio.wait_for(
-                self._inner.propose(committed, k), self._supervisor.propose_timeout_s
-            )
-            n_vocab = self._supervisor.n_vocab
-            if n_vocab is not None and any(
-                not isinstance(t, int) or not 0 <= t < n_vocab for t in draft
-            ):
-                raise DrafterGarbage(f"draft {list(draft)[:8]} has ids outside 0..{n_vocab - 1}")
-            return draft
-        except TimeoutError:
-            self._supervisor.report_failure("timeout")
-            raise DrafterTimeout(
-                f"drafter took over {self._supervisor.propose_timeout_s:g} s for {k} tokens"
-            ) from None
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._supervisor.report_failure(type(exc).__name__)
-            raise  # the engine falls back to plain decoding for this request
+        return await self._bounded(self._inner.propose(committed, k), k, lambda d: list(d))
 
     async def propose_sampled(
         self, committed: Sequence[int], k: int, sampling: Any, rng: Any
@@ -71,15 +52,21 @@ class GuardedDrafter:
         inner = getattr(self._inner, "propose_sampled", None)
         if inner is None:
             return Draft(tokens=await self.propose(committed, k))
+        return await self._bounded(inner(committed, k, sampling, rng), k, lambda d: d.tokens)
+
+    async def _bounded(
+        self, proposal: Awaitable[Any], k: int, tokens_of: Callable[[Any], list[int]]
+    ) -> Any:
+        """Await one proposal within the time bound; report and re-raise any failure
+        (the engine then falls back to plain decoding for this request)."""
         try:
-            draft = await asyncio.wait_for(
-                inner(committed, k, sampling, rng), self._supervisor.propose_timeout_s
-            )
+            draft = await asyncio.wait_for(proposal, self._supervisor.propose_timeout_s)
+            tokens = tokens_of(draft)
             n_vocab = self._supervisor.n_vocab
             if n_vocab is not None and any(
-                not isinstance(t, int) or not 0 <= t < n_vocab for t in draft.tokens
+                not isinstance(t, int) or not 0 <= t < n_vocab for t in tokens
             ):
-                raise DrafterGarbage(f"draft {draft.tokens[:8]} has ids outside 0..{n_vocab - 1}")
+                raise DrafterGarbage(f"draft {tokens[:8]} has ids outside 0..{n_vocab - 1}")
             return draft
         except TimeoutError:
             self._supervisor.report_failure("timeout")

@@ -29,19 +29,26 @@ def child_pids(pid: int) -> list[int]:
     return sorted(set(children))
 
 
-def gpu_memory_mb() -> dict[int, float] | None:
-    """{pid: MiB} for every process holding GPU memory; None without nvidia-smi."""
+def _nvidia_smi(query: str, units: bool = False) -> str | None:
+    """nvidia-smi's CSV answer without header, or None where it cannot answer."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        return subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader" + ("" if units else ",nounits")],
             capture_output=True,
             text=True,
             timeout=20,
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_memory_mb() -> dict[int, float] | None:
+    """{pid: MiB} for every process holding GPU memory; None without nvidia-smi."""
+    out = _nvidia_smi("--query-compute-apps=pid,used_memory")
+    if out is None:
         return None
     usage: dict[int, float] = {}
     for line in out.splitlines():
@@ -57,32 +64,13 @@ def gpu_memory_mb() -> dict[int, float] | None:
 def gpu_used_mb() -> float | None:
     """Memory in use on all GPUs together (MiB): the fallback where nvidia-smi
     cannot see this container's process ids."""
-    if shutil.which("nvidia-smi") is None:
-        return None
+    out = _nvidia_smi("--query-gpu=memory.used")
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-        return sum(float(line) for line in out.split())
-    except (OSError, subprocess.SubprocessError, ValueError):
+        return None if out is None else sum(float(line) for line in out.split())
+    except ValueError:
         return None
 
 
 def gpu_names() -> list[str]:
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
+    out = _nvidia_smi("--query-gpu=name,memory.total,driver_version", units=True)
+    return [] if out is None else [line.strip() for line in out.splitlines() if line.strip()]
