@@ -379,11 +379,7 @@ class PieceCache:
     async def piece(self, result: VerifyResult) -> bytes:
         if "\ufffd" not in result.piece:
             return result.piece.encode("utf-8")
-        cached = self._exact.get(result.token)
-        if cached is None:
-            cached = await self._upstream.token_bytes(result.token)
-            self._exact[result.token] = cached
-        return cached
+        return await self.token_piece(result.token)
 
 
 class Generation:
