@@ -54,6 +54,11 @@ def cached_models(
 
 
 def _make_cached(out: Path, draft: str, target_shape: str, seed: int, eos_boost: float) -> None:
+    # Sets made by an older factory are never used again (~1.3 GB each): drop them.
+    fingerprint = _factory_fingerprint()
+    for stale in MODEL_CACHE.iterdir():
+        if stale.is_dir() and not stale.name.removesuffix(".partial").endswith(fingerprint):
+            shutil.rmtree(stale, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
