@@ -57,6 +57,10 @@ class AsyncDraftSession:
         finally:  # on the worker thread: the only place the session changes
             self._tokens = tuple(self._session.tokens)
 
+    async def call(self, fn: Callable[[DraftSession], T]) -> T:
+        """Run `fn(session)` on the worker thread, in order with the other calls."""
+        return await self._call(fn, self._session)
+
     async def sync(self, tokens: Sequence[int]) -> SyncStats:
         return await self._call(self._session.sync, list(tokens))
 

@@ -29,7 +29,9 @@ class ProxySettings(BaseSettings):
 
     drafter: str | None = Field(None, description="drafter folder, or 'ngram'; none: plain")
     provider: str = Field("auto", description="execution provider for the drafter")
-    k: int = Field(4, ge=0, le=16, description="draft tokens per round")
+    k: int = Field(4, ge=0, le=16, description="most draft tokens per round")
+    adaptive_k: bool = Field(True, description="choose each round's draft length (else k)")
+    overlap: bool = Field(True, description="keep drafting while the server verifies")
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)

@@ -15,7 +15,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from proxy.engine import AsyncDrafter
+from npu_draft.protocol import CancelToken
+from proxy.drafting import AsyncDrafter, GreedyDraft, StopRule
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,19 @@ class GuardedDrafter:
 
     async def propose(self, committed: Sequence[int], k: int) -> list[int]:
         return await self._bounded(self._inner.propose(committed, k), k, lambda d: list(d))
+
+    async def draft(self, committed: Sequence[int], k_max: int, worth: StopRule) -> GreedyDraft:
+        inner = getattr(self._inner, "draft", None)
+        if inner is None:
+            return GreedyDraft(tokens=await self.propose(committed, k_max))
+        return await self._bounded(inner(committed, k_max, worth), k_max, lambda d: d.tokens)
+
+    async def extend(self, n_max: int, cancel: CancelToken) -> int:
+        """Drafting ahead; its tokens are checked when a later `draft` hands them out."""
+        inner = getattr(self._inner, "extend", None)
+        if inner is None:
+            return 0
+        return await self._bounded(inner(n_max, cancel), n_max, lambda _made: [])
 
     async def propose_sampled(
         self, committed: Sequence[int], k: int, sampling: Any, rng: Any

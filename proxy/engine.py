@@ -20,8 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from npu_draft.protocol import Draft, DraftSession, SamplingParams, SparseDist
-from npu_draft.sampling import choose_token
+from npu_draft.protocol import CancelToken, Draft, SamplingParams, SparseDist
 from proxy.acceptance import (
     Acceptance,
     RngChooser,
@@ -31,6 +30,8 @@ from proxy.acceptance import (
     normalized,
     speculative_sample,
 )
+from proxy.adaptive_k import DraftLengthPolicy, RoundCosts
+from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, GreedyDraft
 from proxy.upstream import (
     SamplingSpec,
     UpstreamClient,
@@ -40,6 +41,8 @@ from proxy.upstream import (
 )
 
 log = logging.getLogger(__name__)
+
+__all__ = ["AsyncDrafter", "AsyncSessionDrafter", "Generation", "GenerationParams"]
 
 
 # -- text bookkeeping, mirroring tools/server/server-context.cpp process_token ----
@@ -171,62 +174,6 @@ class ServerTextState:
         return min(limits)
 
 
-# -- drafting --------------------------------------------------------------------
-
-
-class AsyncDrafter(Protocol):
-    """What the engine needs from a draft session: propose after a committed sequence."""
-
-    async def propose(self, committed: Sequence[int], k: int) -> list[int]: ...
-
-    async def close(self) -> None: ...
-
-
-class AsyncSessionDrafter:
-    """Adapts `npu_draft.async_session.AsyncDraftSession` (one worker thread per
-    session, cancellable between tokens) to what the engine calls."""
-
-    def __init__(self, session: DraftSession, name: str = "draft") -> None:
-        from npu_draft.async_session import AsyncDraftSession
-
-        self._session = AsyncDraftSession(session, name)
-        self._greedy_only = False
-
-    async def propose(self, committed: Sequence[int], k: int) -> list[int]:
-        await self._session.sync(committed)
-        draft = await self._session.propose(k)
-        return [int(t) for t in draft.tokens]
-
-    async def propose_sampled(
-        self, committed: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator
-    ) -> Draft:
-        """Sampling mode: tokens drawn from q (the mirrored chain) and q itself."""
-        await self._session.sync(committed)
-        if not self._greedy_only:
-            try:
-                return await self._session.propose(k, sampling, rng)
-            except NotImplementedError:
-                self._greedy_only = True  # e.g. the numpy reference: sample its logits here
-        return await self._step_sampled(list(committed), k, sampling, rng)
-
-    async def _step_sampled(
-        self, tokens: list[int], k: int, sampling: SamplingParams, rng: np.random.Generator
-    ) -> Draft:
-        draft = Draft(dists=[])
-        for i in range(k):
-            if i > 0:
-                await self._session.sync(tokens)  # feeds only the token just drawn
-            token, prob, dist = choose_token(await self._session.next_logits(), sampling, rng)
-            draft.tokens.append(token)
-            draft.probs.append(prob)
-            draft.dists.append(dist)  # type: ignore[union-attr]
-            tokens.append(token)
-        return draft
-
-    async def close(self) -> None:
-        await self._session.close()
-
-
 # -- the loop --------------------------------------------------------------------
 
 
@@ -234,8 +181,10 @@ class AsyncSessionDrafter:
 class GenerationParams:
     n_predict: int = -1  # after merging the server's default; -1 means unlimited
     stop: list[str] = field(default_factory=list)
-    k: int = 4
+    k: int = 4  # the most drafts a round may verify
     sampling: SamplingSpec | None = None  # None: greedy
+    adaptive: bool = True  # greedy: choose each round's length (proxy.adaptive_k)
+    overlap: bool = True  # greedy: keep drafting while the server verifies
 
 
 @dataclass
@@ -252,6 +201,7 @@ class RoundRecord:
     # sampling mode: drafts a match-only rule (draft == the server's own sampled token)
     # would have accepted in the same round; None in greedy mode
     n_matched: int | None = None
+    n_reused: int = 0  # drafts that were ready from drafting ahead
 
 
 @dataclass
@@ -335,6 +285,10 @@ class SlotReplicator:
         self.min_prompt = min_prompt  # shorter prompts prefill in the batch just as well
         self.available = True  # False once the server refused (no --slot-save-path)
 
+    def worth_copying(self, n_fresh: int) -> bool:
+        """Copy a slot only when its prefill would cost the others more than a copy."""
+        return n_fresh >= self.min_prompt
+
     async def replicate(self, id_slot: int, copies: int, filename: str) -> int:
         """Copy slot `id_slot` into up to `copies` idle slots; returns how many."""
         if not self.available or copies <= 0 or id_slot < 0:
@@ -399,6 +353,7 @@ class Generation:
         request_id: str = "-",
         replicator: SlotReplicator | None = None,
         slot_file: str = "npu-spec-prefill.bin",
+        policy: DraftLengthPolicy | None = None,
     ) -> None:
         self.upstream = upstream
         self.prompt = list(prompt)
@@ -412,7 +367,10 @@ class Generation:
         self.request_id = request_id
         self.replicator = replicator
         self.slot_file = slot_file
+        self.policy = policy or DraftLengthPolicy(params.k, params.adaptive)
         self.result: GenerationResult | None = None
+        self._ahead: asyncio.Task[None] | None = None
+        self._ahead_cancel: CancelToken | None = None
 
     async def _draft(
         self,
@@ -420,30 +378,64 @@ class Generation:
         k: int,
         sampling: SamplingParams | None = None,
         rng: np.random.Generator | None = None,
-    ) -> tuple[list[int], list[SparseDist | None] | None, float]:
-        """(draft tokens, their q in sampling mode, ms spent)."""
+    ) -> tuple[GreedyDraft, list[SparseDist | None] | None, float]:
+        """(the draft, its q in sampling mode, ms the round waited for it)."""
         if k <= 0 or self.drafter is None:
-            return [], None, 0.0
+            return GreedyDraft(), None, 0.0
         started = time.perf_counter()
         dists: list[SparseDist | None] | None = None
+        await self._stop_ahead()
         try:
-            if sampling is None:
-                draft = await self.drafter.propose(committed, k)
-            else:
+            if sampling is not None:
                 assert rng is not None
-                draft, dists = await _propose_sampled(self.drafter, committed, k, sampling, rng)
+                tokens, dists = await _propose_sampled(self.drafter, committed, k, sampling, rng)
+                draft = GreedyDraft(tokens=tokens)
+            elif (draft_fn := getattr(self.drafter, "draft", None)) is not None:
+                draft = await draft_fn(committed, k, self.policy.worth)
+            else:  # a drafter that only proposes: fixed length, no probabilities
+                draft = GreedyDraft(tokens=list(await self.drafter.propose(committed, k)))
         except asyncio.CancelledError:
             raise
         except Exception:
-            # Lossless either way: without a draft the round is plain decoding.
-            log.exception("[%s] drafter failed; plain decoding for this request", self.request_id)
-            if self.observer is not None:
-                self.observer.observe_drafter_failure()
-            self._drafter_failed = True
-            drafter, self.drafter = self.drafter, None
-            await _close_quietly(drafter)
-            return [], None, (time.perf_counter() - started) * 1e3
-        return draft[:k], dists, (time.perf_counter() - started) * 1e3
+            await _close_quietly(self._drop_drafter())
+            return GreedyDraft(), None, (time.perf_counter() - started) * 1e3
+        draft.tokens, draft.probs = draft.tokens[:k], draft.probs[:k]
+        return draft, dists, (time.perf_counter() - started) * 1e3
+
+    def _drop_drafter(self) -> AsyncDrafter | None:
+        """Lossless either way: without a draft every round is plain decoding."""
+        log.exception("[%s] drafter failed; plain decoding for this request", self.request_id)
+        if self.observer is not None:
+            self.observer.observe_drafter_failure()
+        self._drafter_failed = True
+        drafter, self.drafter = self.drafter, None
+        return drafter
+
+    def _start_ahead(self) -> None:
+        """While the server verifies, keep drafting the line as if all is accepted."""
+        extend = getattr(self.drafter, "extend", None)
+        if not self.params.overlap or extend is None:
+            return
+        self._ahead_cancel = cancel = CancelToken()
+
+        async def run() -> None:
+            try:
+                await extend(self.params.k + 1, cancel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("[%s] drafting ahead failed", self.request_id, exc_info=True)
+
+        self._ahead = asyncio.create_task(run())
+
+    async def _stop_ahead(self) -> None:
+        """Stop drafting ahead (it ends after the token in progress) and wait for it."""
+        if self._ahead is None:
+            return
+        assert self._ahead_cancel is not None
+        self._ahead_cancel.cancel()
+        ahead, self._ahead = self._ahead, None
+        await asyncio.gather(ahead, return_exceptions=True)
 
     async def _counters(self) -> tuple[int, int]:
         """(llamacpp:n_decode_total, llamacpp:prompt_tokens_total) right now."""
@@ -487,13 +479,17 @@ class Generation:
                 if replicate:
                     k = 0  # prefill one slot only; copies of it follow
                 if sampling is None:
-                    draft, dists, draft_ms = await self._draft(committed, k)
+                    drafted, dists, draft_ms = await self._draft(committed, k)
+                    draft = drafted.tokens
                     verify_start = time.perf_counter()
+                    if draft:
+                        self._start_ahead()
                     results = await self.upstream.verify(committed, draft)
                 else:
-                    draft, dists, draft_ms = await self._draft(
+                    drafted, dists, draft_ms = await self._draft(
                         committed, k, sampling.chain, draft_rng
                     )
+                    draft = drafted.tokens
                     verify_start = time.perf_counter()
                     server_seed = int(seed_rng.integers(0, 0xFFFFFFFF))  # 0xFFFFFFFF: random
                     results = await self.upstream.verify(committed, draft, sampling, server_seed)
@@ -521,7 +517,10 @@ class Generation:
                     yield event
                     if state.finished:
                         break
-                if replicate and not state.finished:
+                # A new turn of a conversation whose slots already hold its history
+                # has little to copy: the other slots catch up in the next batch.
+                fresh = len(self.prompt) - results[0].cached
+                if replicate and not state.finished and self.replicator.worth_copying(fresh):
                     assert self.replicator is not None
                     await self.replicator.replicate(
                         results[0].id_slot, self.params.k, self.slot_file
@@ -556,11 +555,24 @@ class Generation:
                     n_matched=acceptance.n_matched
                     if isinstance(acceptance, SampledAcceptance)
                     else None,
+                    n_reused=drafted.reused,
                 )
                 rounds.append(record)
+                if not record.first and drafted.probs:
+                    self.policy.observe(
+                        RoundCosts(
+                            probs=drafted.probs,
+                            n_accepted=record.n_accepted,
+                            n_committed=record.n_committed,
+                            draft_ms=draft_ms,
+                            verify_ms=verify_ms,
+                            round_ms=total_ms,
+                        )
+                    )
                 if self.observer is not None:
                     self.observer.observe_round(record)
         finally:
+            await self._stop_ahead()
             if self.drafter is not None:
                 await _close_quietly(self.drafter)
         end = time.perf_counter()

@@ -46,6 +46,7 @@ class ProxyMetrics:
         self.rounds = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
+        self.reused_tokens = 0  # drafts that were ready from drafting ahead
         self.generated_tokens = 0
         self.accepted_per_position: Counter[int] = Counter()
         self.drafted_per_position: Counter[int] = Counter()
@@ -66,6 +67,7 @@ class ProxyMetrics:
         self.rounds += 1
         self.draft_tokens += record.n_drafted
         self.accepted_tokens += record.n_accepted
+        self.reused_tokens += record.n_reused
         for position in range(record.n_drafted):
             self.drafted_per_position[position] += 1
             if position < record.n_accepted:
@@ -104,6 +106,10 @@ class ProxyMetrics:
         counter(
             "npu_spec_accepted_tokens_total", "Draft tokens the target agreed with",
             self.accepted_tokens,
+        )  # fmt: skip
+        counter(
+            "npu_spec_ahead_tokens_total", "Drafts ready from drafting during verification",
+            self.reused_tokens,
         )  # fmt: skip
         counter(
             "npu_spec_generated_tokens_total", "Tokens generated on the speculative path",

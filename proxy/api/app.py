@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.adaptive_k import DraftLengthPolicy
 from proxy.api import shapes
 from proxy.api.errors import error_response, json_error_response, upstream_error_response
 from proxy.api.guard import (
@@ -53,6 +54,8 @@ class ProxyState:
     strict_decodes: bool = False
 
     replicate_prefill: bool = True
+    adaptive_k: bool = True
+    overlap: bool = True
 
     # reliability and security
     guard: GuardSettings = field(default_factory=GuardSettings)
@@ -76,6 +79,7 @@ class ProxyState:
         # Slot files the proxy writes: generated names, unguessable, and refused to
         # clients (guard.RESERVED_SLOT_PREFIX), so no request can swap their contents.
         self.slot_file_stem = f"{RESERVED_SLOT_PREFIX}{secrets.token_hex(8)}"
+        self.draft_lengths = DraftLengthPolicy(self.k, self.adaptive_k)
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
 
@@ -123,6 +127,8 @@ async def build_state(
     queue_timeout_s: float = 300.0,
     replicate_prefill: bool = True,
     max_queue: int | None = None,
+    adaptive_k: bool = True,
+    overlap: bool = True,
     **reliability: Any,
 ) -> ProxyState:
     """Read the server's facts (props, settings template) and assemble the state.
@@ -153,6 +159,8 @@ async def build_state(
         check_decodes=check_decodes,
         strict_decodes=strict_decodes,
         replicate_prefill=replicate_prefill,
+        adaptive_k=adaptive_k,
+        overlap=overlap,
         **reliability,
     )
 
@@ -359,7 +367,12 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             state.upstream,
             tokens,
             GenerationParams(
-                n_predict=params.n_predict, stop=params.stop, k=state.k, sampling=params.sampling
+                n_predict=params.n_predict,
+                stop=params.stop,
+                k=state.k,
+                sampling=params.sampling,
+                adaptive=state.adaptive_k,
+                overlap=state.overlap,
             ),
             n_ctx=state.n_ctx,
             drafter=await state.drafters.open(),
@@ -370,6 +383,7 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             request_id=request_id,
             replicator=state.replicator,
             slot_file=f"{state.slot_file_stem}-g{group}.bin",  # one file per group
+            policy=state.draft_lengths,
         )
         log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, len(tokens))
         if params.stream:

@@ -45,6 +45,13 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
+def _variant(text: str) -> tuple[str, list[str]]:
+    name, sep, options = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=OPTIONS, got {text!r}")
+    return name.strip(), shlex.split(options)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, help="target GGUF (or --models)")
     parser.add_argument("--draft-gguf", type=Path, help="draft GGUF for the builtin mode")
@@ -105,6 +112,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start no new mode after this many seconds (the JSON keeps what ran)",
     )
     parser.add_argument(
+        "--proxy-variant",
+        action="append",
+        type=_variant,
+        dest="proxy_variants",
+        metavar="NAME=OPTIONS",
+        help="run proxy and oracle once per variant with these extra `npu-spec serve` options, "
+        "e.g. --proxy-variant 'turns=--fixed-k --no-overlap' (repeatable; NAME= alone: defaults)",
+    )
+    parser.add_argument(
         "-o", "--out", type=Path, help="result JSON (default: benchmarks/results/bench-<time>.json)"
     )
 
@@ -140,6 +156,7 @@ def options_from_args(args: argparse.Namespace):
         startup_timeout=args.startup_timeout,
         time_budget_s=args.time_budget_s,
         exact_check=args.exact_check,
+        proxy_variants=args.proxy_variants or [("", [])],
     )
 
 

@@ -40,12 +40,15 @@ class ModeSpec:
     k: int = 0
     acceptance: float | None = None  # oracle only
     delay_ms: float = 0.0  # oracle only
+    variant: str = ""  # proxy and oracle: a named set of extra `npu-spec serve` options
+    serve_args: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
+        base = self.kind
         if self.kind == "oracle":
-            return f"oracle(a={self.acceptance:g},{self.delay_ms:g}ms)"
-        return self.kind
+            base = f"oracle(a={self.acceptance:g},{self.delay_ms:g}ms)"
+        return f"{base}[{self.variant}]" if self.variant else base
 
     @property
     def speculative(self) -> bool:
@@ -209,6 +212,7 @@ class ProxyMode(ModeInstance):
             "--provider", config.provider,
             "-k", str(spec.k),
             "--port", str(self.port),
+            *spec.serve_args,
         ]  # fmt: skip
         self.log_path = config.log_dir / f"{log_name}.proxy.log"
         self.timeout = config.startup_timeout

@@ -95,6 +95,8 @@ class BenchOptions:
     request_timeout: float = 1800.0
     time_budget_s: float | None = None  # start no new mode after this long
     exact_check: str = "first"  # non-streamed token check: "first" repeat, "all", "none"
+    # proxy and oracle run once per variant: (name, extra `npu-spec serve` options)
+    proxy_variants: list[tuple[str, list[str]]] = field(default_factory=lambda: [("", [])])
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,15 @@ def mode_specs(options: BenchOptions, k: int, with_plain: bool = True) -> list[M
             continue
         if kind == "oracle":
             specs += [
-                ModeSpec("oracle", k, acceptance=a, delay_ms=options.oracle_delay_ms)
+                ModeSpec("oracle", k, acceptance=a, delay_ms=options.oracle_delay_ms,
+                         variant=name, serve_args=tuple(args))
                 for a in options.oracle_acceptance
+                for name, args in options.proxy_variants
+            ]  # fmt: skip
+        elif kind == "proxy":
+            specs += [
+                ModeSpec("proxy", k, variant=name, serve_args=tuple(args))
+                for name, args in options.proxy_variants
             ]
         else:
             specs.append(ModeSpec(kind, 0 if kind == "plain" else k))
@@ -241,6 +250,8 @@ class BenchSession:
         log_name = f"ctx{trial.context}-k{spec.k}-r{trial.repeat}-{spec.kind}"
         if spec.acceptance is not None:
             log_name += f"-a{spec.acceptance:g}"
+        if spec.variant:
+            log_name += f"-{spec.variant}"
         folder = trial.oracle_folders.get(spec.acceptance) if spec.kind == "oracle" else None
         instance = make_instance(trial.config, spec, log_name, verify_server, folder)
         log.info("ctx %s k %d repeat %d: %s", trial.context, spec.k, trial.repeat, spec.name)

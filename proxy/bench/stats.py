@@ -32,6 +32,7 @@ def _proxy_counters(d: dict[str, float]) -> dict[str, Any]:
         "rounds": round(d.get("npu_spec_rounds_total", 0)),
         "drafted": round(d.get("npu_spec_draft_tokens_total", 0)),
         "accepted": round(d.get("npu_spec_accepted_tokens_total", 0)),
+        "drafted_ahead": round(d.get("npu_spec_ahead_tokens_total", 0)),
         "drafted_per_position": per_position(d, "npu_spec_draft_tokens_per_position_total"),
         "accepted_per_position": per_position(d, "npu_spec_accepted_tokens_per_position_total"),
         "draft_ms": d.get("npu_spec_draft_ms_sum", 0.0),

@@ -30,6 +30,21 @@ def test_modes_of_a_k_group_and_their_rotation() -> None:
     assert rotated([], 3) == []
 
 
+def test_proxy_variants_multiply_proxy_and_oracle_modes() -> None:
+    from proxy.bench.cli import _variant
+
+    turns = _variant("turns=--fixed-k --no-overlap")
+    assert turns == ("turns", ["--fixed-k", "--no-overlap"])
+    options = BenchOptions(
+        target=Path("t.gguf"), modes=["plain", "proxy", "oracle"], proxy_variants=[("", []), turns]
+    )
+    specs = mode_specs(options, 6)
+    assert [s.name for s in specs] == [
+        "plain", "proxy", "proxy[turns]", "oracle(a=0.8,0ms)", "oracle(a=0.8,0ms)[turns]",
+    ]  # fmt: skip
+    assert specs[2].serve_args == ("--fixed-k", "--no-overlap")
+
+
 def test_first_mismatch() -> None:
     assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert first_mismatch([1, 9, 3], [1, 2, 3]) == 1

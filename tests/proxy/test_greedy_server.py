@@ -252,3 +252,23 @@ async def test_cold_start_copies_the_prefilled_slot(
     assert second.n_drafted == k
     assert second.prompt_tokens <= (k + 1) * 1 + k * (k + 1) // 2, second
     assert all(r.decodes == 1 for r in result.rounds)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_drafting_ahead_is_reused_and_lossless(
+    http, ref_server, spec_server, drafter_for, overlap
+):
+    """With the target's own weights every block and bonus guess hits, so drafts made
+    during verification are handed out by the next round instead of recomputed."""
+    body = {"prompt": PROMPTS[1], "n_predict": 48, "temperature": 0, "return_tokens": True}
+    expected = await post_json(http, ref_server + "/completion", body)
+    prompt = await tokenize(http, ref_server, PROMPTS[1])
+    async with run_proxy(
+        spec_server, drafter_for("reference"), 4, check_decodes=True, overlap=overlap
+    ) as proxy:
+        status, got, _ = await proxy.post("/completion", body)
+        assert status == 200, got
+        await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], got["tokens"])
+        metrics = proxy.state.metrics
+        assert metrics.decode_check_failures == 0
+        assert (metrics.reused_tokens > 0) == overlap

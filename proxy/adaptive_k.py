@@ -1,0 +1,108 @@
+"""How many drafts each round sends: the cost model applied one position at a time.
+
+Drafting and verifying position i adds P_i expected tokens to the round, where P_i
+is the chance that drafts 1..i are all accepted. It costs the drafter's time for
+one more token (what of it is not hidden behind verification) plus the growth of
+the verify batch. A token is worth what the current rounds pay per token. So draft
+position i while
+
+    c * P_i * (round_ms / tokens_per_round)  >=  draft_ms_per_token + verify_ms_per_draft
+
+P_i comes from the draft's own probabilities, scaled by c, the measured ratio of
+accepted drafts to the sum of P_i (drafters are not calibrated: a random-weight or
+quantised draft can be far too sure or too shy). All terms are running averages of
+measured rounds; until a few rounds exist, every position up to k_max is drafted.
+Position 1 is always drafted: a round without drafts is a plain step that still
+pays the HTTP round trip.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+_ALPHA = 0.2  # weight of the newest round in the running averages
+_PRIOR_VERIFY_SLOPE_MS = 1.0  # per extra draft; H200 14B: 1.5 at 512 tokens, 3 at 4k
+_MIN_ROUNDS = 3  # rounds observed before the rule starts cutting drafts
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + _ALPHA * (new - old)
+
+
+@dataclass
+class RoundCosts:
+    """What one verified round tells the policy."""
+
+    probs: Sequence[float]  # the draft's p for each drafted token, in order
+    n_accepted: int
+    n_committed: int
+    draft_ms: float  # drafting the round waited for (not what overlapped)
+    verify_ms: float
+    round_ms: float
+
+
+class DraftLengthPolicy:
+    """Chooses each round's draft length; shared by the requests of one proxy."""
+
+    def __init__(self, k_max: int, adaptive: bool = True) -> None:
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.rounds = 0
+        self.calibration = 1.0  # accepted / expected, running
+        self._accepted: float | None = None
+        self._expected: float | None = None
+        self.round_ms: float | None = None
+        self.tokens_per_round: float | None = None
+        self.draft_ms_per_token: float | None = None
+        self._verify: deque[tuple[int, float]] = deque(maxlen=64)
+
+    def worth(self, position: int, cumulative_p: float) -> bool:
+        """Draft position `position` (1-based), whose drafts so far have joint p?"""
+        if position > self.k_max:
+            return False
+        if not self.adaptive or position == 1 or self.rounds < _MIN_ROUNDS:
+            return True
+        assert self.round_ms is not None and self.tokens_per_round is not None
+        gain_ms = min(1.0, self.calibration * cumulative_p) * (
+            self.round_ms / max(self.tokens_per_round, 1.0)
+        )
+        return gain_ms >= (self.draft_ms_per_token or 0.0) + self.verify_slope_ms()
+
+    def verify_slope_ms(self) -> float:
+        """Extra verify time per extra draft: least squares over recent rounds when
+        their draft lengths vary enough, else a prior."""
+        if len(self._verify) >= 8:
+            ks = np.array([k for k, _ in self._verify], dtype=np.float64)
+            ms = np.array([v for _, v in self._verify], dtype=np.float64)
+            if ks.var() >= 0.25:
+                slope = float(np.cov(ks, ms, bias=True)[0, 1] / ks.var())
+                return min(max(slope, 0.0), 20.0)
+        return _PRIOR_VERIFY_SLOPE_MS
+
+    def observe(self, costs: RoundCosts) -> None:
+        n = len(costs.probs)
+        if n == 0:
+            return
+        expected = float(np.cumprod(np.asarray(costs.probs, dtype=np.float64)).sum())
+        self._accepted = _ema(self._accepted, costs.n_accepted)
+        self._expected = _ema(self._expected, expected)
+        self.calibration = min(max((self._accepted + 0.1) / (self._expected + 0.1), 0.05), 4.0)
+        self.round_ms = _ema(self.round_ms, costs.round_ms)
+        self.tokens_per_round = _ema(self.tokens_per_round, costs.n_committed)
+        self.draft_ms_per_token = _ema(self.draft_ms_per_token, costs.draft_ms / n)
+        self._verify.append((n, costs.verify_ms))
+        self.rounds += 1
+
+    def snapshot(self) -> dict[str, float | int | None]:
+        return {
+            "rounds": self.rounds,
+            "calibration": self.calibration,
+            "round_ms": self.round_ms,
+            "tokens_per_round": self.tokens_per_round,
+            "draft_ms_per_token": self.draft_ms_per_token,
+            "verify_ms_per_draft": self.verify_slope_ms(),
+        }

@@ -1,0 +1,183 @@
+"""Drafting ahead and the draft-length policy, with a deterministic fake drafter."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from npu_draft.protocol import GREEDY, CancelToken, Draft, SamplingParams, SyncStats
+from proxy.adaptive_k import DraftLengthPolicy, RoundCosts
+from proxy.drafting import AsyncSessionDrafter, always
+
+
+def next_token(tokens: Sequence[int]) -> int:
+    return (tokens[-1] * 7 + len(tokens)) % 97
+
+
+class CountingSession:
+    """Greedy draft = a fixed function of the sequence; counts the tokens it computes."""
+
+    def __init__(self, prob: float = 0.9) -> None:
+        self._tokens: list[int] = []
+        self.prob = prob
+        self.computed = 0
+        self.syncs = 0
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return self._tokens
+
+    def sync(self, tokens: Sequence[int]) -> SyncStats:
+        self.syncs += 1
+        self._tokens = list(tokens)
+        return SyncStats(reused=0, appended=len(tokens))
+
+    def propose(
+        self,
+        k: int,
+        sampling: SamplingParams = GREEDY,
+        rng: np.random.Generator | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Draft:
+        draft = Draft()
+        for _ in range(k):
+            if cancel is not None and cancel.cancelled:
+                break
+            token = next_token(self._tokens)
+            self._tokens.append(token)
+            draft.tokens.append(token)
+            draft.probs.append(self.prob)
+            self.computed += 1
+        return draft
+
+    def next_logits(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def expected_draft(committed: Sequence[int], k: int) -> list[int]:
+    line = list(committed)
+    for _ in range(k):
+        line.append(next_token(line))
+    return line[len(committed) :]
+
+
+async def test_drafted_ahead_tokens_are_reused_when_the_block_and_bonus_hit():
+    session = CountingSession()
+    drafter = AsyncSessionDrafter(session)
+    committed = [1, 2, 3]
+    try:
+        first = await drafter.draft(committed, 4, always)
+        assert first.tokens == expected_draft(committed, 4) and first.reused == 0
+        assert await drafter.extend(5, CancelToken()) == 5
+        # the server accepted all 4 and its bonus equals the drafter's next token
+        line = committed + first.tokens
+        line.append(next_token(line))
+        computed = session.computed
+        second = await drafter.draft(line, 4, always)
+        assert second.tokens == expected_draft(line, 4)
+        assert second.reused == 4 and session.computed == computed  # nothing recomputed
+        assert second.probs == [session.prob] * 4
+    finally:
+        await drafter.close()
+
+
+async def test_a_miss_resyncs_and_drafts_fresh():
+    session = CountingSession()
+    drafter = AsyncSessionDrafter(session)
+    committed = [5, 6]
+    try:
+        first = await drafter.draft(committed, 3, always)
+        await drafter.extend(4, CancelToken())
+        correction = (first.tokens[1] + 1) % 97  # the server disagreed at position 2
+        line = committed + first.tokens[:1] + [correction]
+        syncs = session.syncs
+        second = await drafter.draft(line, 3, always)
+        assert second.tokens == expected_draft(line, 3) and second.reused == 0
+        assert session.syncs == syncs + 1
+    finally:
+        await drafter.close()
+
+
+async def test_extend_stops_when_cancelled():
+    drafter = AsyncSessionDrafter(CountingSession())
+    try:
+        await drafter.draft([1], 2, always)
+        cancel = CancelToken()
+        cancel.cancel()
+        assert await drafter.extend(10, cancel) == 0
+    finally:
+        await drafter.close()
+
+
+async def test_stop_rule_cuts_the_draft_and_keeps_the_cut_token_on_the_line():
+    session = CountingSession(prob=0.5)
+    drafter = AsyncSessionDrafter(session)
+    try:
+        draft = await drafter.draft([9], 8, lambda position, p: p >= 0.2)
+        # 0.5, 0.25 pass; 0.125 fails at position 3
+        assert draft.tokens == expected_draft([9], 2)
+        assert list(session.tokens) == [9, *expected_draft([9], 3)]
+    finally:
+        await drafter.close()
+
+
+def feed(policy: DraftLengthPolicy, rounds: int, prob: float, accepted: int, **costs) -> None:
+    k = policy.k_max
+    for _ in range(rounds):
+        policy.observe(
+            RoundCosts(
+                probs=[prob] * k,
+                n_accepted=accepted,
+                n_committed=accepted + 1,
+                draft_ms=costs.get("draft_ms", 4.0) * k,
+                verify_ms=costs.get("verify_ms", 20.0),
+                round_ms=costs.get("round_ms", 40.0),
+            )
+        )
+
+
+def drafted_length(policy: DraftLengthPolicy, prob: float) -> int:
+    n, cumulative = 0, 1.0
+    for position in range(1, 20):
+        cumulative *= prob
+        if not policy.worth(position, cumulative):
+            break
+        n = position
+    return n
+
+
+def test_policy_drafts_everything_until_it_has_measurements():
+    policy = DraftLengthPolicy(6)
+    assert drafted_length(policy, 0.01) == 6
+    fixed = DraftLengthPolicy(6, adaptive=False)
+    feed(fixed, 10, 0.5, 0)
+    assert drafted_length(fixed, 0.01) == 6
+
+
+def test_policy_drafts_less_when_drafts_are_rejected_and_more_when_accepted():
+    poor = DraftLengthPolicy(8)
+    feed(poor, 10, 0.9, 0, draft_ms=4.0)  # confident drafts, none accepted
+    good = DraftLengthPolicy(8)
+    feed(good, 10, 0.9, 6, draft_ms=1.0)
+    assert drafted_length(poor, 0.9) == 1  # position 1 is always drafted
+    assert drafted_length(good, 0.9) > 4
+
+
+@pytest.mark.parametrize("draft_ms", [0.5, 8.0])
+def test_policy_weighs_draft_cost(draft_ms):
+    policy = DraftLengthPolicy(8)
+    feed(policy, 10, 0.8, 3, draft_ms=draft_ms)
+    cheap = draft_ms < 1
+    assert (drafted_length(policy, 0.8) >= 5) == cheap
+
+
+def test_policy_fits_the_verify_slope():
+    policy = DraftLengthPolicy(8)
+    for k in (2, 4, 6, 8) * 4:
+        policy.observe(RoundCosts([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
+    assert policy.verify_slope_ms() == pytest.approx(2.5)
