@@ -29,6 +29,9 @@ class ProxySettings(BaseSettings):
 
     drafter: str | None = Field(None, description="drafter folder, or 'ngram'; none: plain")
     provider: str = Field("auto", description="execution provider for the drafter")
+    drafter_threads: int | None = Field(
+        None, ge=1, description="CPU threads for the drafter (default: all this process may use)"
+    )
     k: int = Field(4, ge=0, le=16, description="most draft tokens per round")
     adaptive_k: bool = Field(True, description="choose each round's draft length (else k)")
     overlap: bool = Field(True, description="keep drafting while the server verifies")

@@ -29,6 +29,7 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--upstream",), {"help": "URL of a running llama-server to attach to"}),
     (("--drafter",), {"help": "drafter folder, 'ngram[:sizes]' or 'FOLDER+ngram'"}),
     (("--provider",), {"help": "drafter execution provider: auto, npu, cuda, cpu"}),
+    (("--drafter-threads",), {"type": int, "dest": "drafter_threads"}),
     (("-k",), {"type": int, "dest": "k", "help": "most draft tokens per round"}),
     (
         ("--fixed-k",),
@@ -160,7 +161,8 @@ def _drafter_opener(
     from npu_draft.load import load_drafter
     from proxy.engine import AsyncSessionDrafter
 
-    model = load_drafter(settings.drafter, settings.provider, target=target)
+    options = {"threads": settings.drafter_threads} if settings.drafter_threads else {}
+    model = load_drafter(settings.drafter, settings.provider, target=target, **options)
     log.info(
         "drafter %s: backend %s on %s", model.info.name, model.info.backend, model.info.provider
     )

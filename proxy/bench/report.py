@@ -6,7 +6,8 @@ from typing import Any
 
 COLUMNS = [
     ("ctx", 6), ("k", 2), ("mode", 22), ("tok/s [min-max]", 20), ("x plain", 7),
-    ("TTFT ms", 8), ("accept", 6), ("acc/rnd", 7), ("a iid", 5), ("accept by position", 24),
+    ("TTFT ms", 8), ("accept", 6), ("acc/rnd", 7), ("k/rnd", 5), ("a iid", 5),
+    ("accept by position", 24),
     ("draft/verify/ovh ms", 20), ("dec/rnd", 7), ("pred turns|ovl", 15), ("meas/pred", 9),
     ("RSS MB srv+proxy", 16), ("GPU MB", 7), ("=plain", 7),
 ]  # fmt: skip
@@ -55,6 +56,7 @@ def _row(entry: dict[str, Any]) -> list[str]:
         _f(s["ttft_ms_median"], 0),
         _f(s.get("acceptance"), 2),
         _f(s.get("accepted_per_round"), 2),
+        _f(s.get("drafted_per_round"), 2),
         _f(s.get("acceptance_iid"), 2),
         positions or "-",
         split,
@@ -63,7 +65,8 @@ def _row(entry: dict[str, Any]) -> list[str]:
         _f(s.get("measured_over_predicted"), 2),
         rss,
         _f(gpu, 0),
-        f"{s['n_equal_to_plain']}/{s['n_runs']}",
+        f"{s['n_equal_to_plain']}/{s['n_runs']}"
+        + (f" +{s['n_near_tie']} tie" if s.get("n_near_tie") else ""),
     ]
 
 
@@ -79,6 +82,8 @@ def render_table(result: dict[str, Any]) -> str:
         "pred turns|ovl: cost model (DESIGN.md §4) from a iid, k and the measured "
         "draft/verify/overhead ms; meas/pred: all runs pooled over taking turns.",
         "=plain: runs equal to plain llama-server (exact ids where checked, else streamed "
-        "ids and text); dec/rnd: llama_decode calls per round (plain: per token).",
+        "ids and text); +N tie: differing runs whose first difference the server's top-2 "
+        "logits show to be a near-tie (gap < 0.02); dec/rnd: llama_decode calls per round "
+        "(plain: per token); k/rnd: drafts per round (adaptive k chooses up to k).",
     ]
     return "\n".join([*lines, "", *notes])

@@ -48,6 +48,7 @@ from npu_draft.oracle import OracleConfig, write_oracle_folder
 from proxy.bench.client import StreamedCompletion, exact_tokens, stream_completion
 from proxy.bench.host import host_info
 from proxy.bench.modes import ModeSpec, ServeConfig, VerifyServer, make_instance
+from proxy.bench.neartie import explain_mismatch
 from proxy.bench.prompts import BenchPrompt, ServerText, build_prompts, load_prompt_set, select
 from proxy.bench.stats import request_stats, summary_rows
 from proxy.llama_server import LlamaServerProcess, find_llama_server
@@ -270,7 +271,15 @@ class BenchSession:
                     exact = await exact_tokens(
                         session, instance.base_url, prompt.tokens, o.n_predict
                     )
-                self.runs.append(self._run_record(spec, trial, prompt, done, exact))
+                record = self._run_record(spec, trial, prompt, done, exact)
+                if exact is not None and record["first_mismatch"] is not None:
+                    # the verify server (proxy, oracle) or the mode's own server
+                    probe = verify_server.base_url if verify_server else instance.base_url
+                    record["near_tie"] = await explain_mismatch(
+                        session, probe, prompt.tokens, trial.outputs[prompt.id].tokens, exact,
+                        record["first_mismatch"],
+                    )  # fmt: skip
+                self.runs.append(record)
             memory = instance.memory()
         finally:
             await instance.stop()

@@ -123,6 +123,8 @@ def summarize(
         "ttft_ms_median": statistics.median(r["ttft_ms"] for r in runs) if runs else None,
         "n_runs": len(runs),
         "n_equal_to_plain": sum(1 for r in runs if r["equal_to_plain"]),
+        # differing runs whose first difference the server shows to be a near-tie
+        "n_near_tie": sum(1 for r in runs if (r.get("near_tie") or {}).get("near_tie")),
         "n_exact_checked": sum(1 for r in runs if r.get("exact_checked")),
         "n_speculative": sum(1 for r in runs if r.get("spec_header") == "speculative"),
         "drafter_failures": sum(r["stats"].get("drafter_failures", 0) for r in runs),
@@ -131,6 +133,7 @@ def summarize(
         "accepted": accepted,
         "acceptance": _ratio(accepted, drafted),
         "accepted_per_round": _ratio(accepted, rounds) if kind != "plain" else None,
+        "drafted_per_round": _ratio(drafted, rounds) if kind != "plain" else None,
         "tokens_per_round": _ratio(sum(r["n_generated"] for r in runs), rounds),
     }
     if kind != "plain":

@@ -7,9 +7,7 @@ import math
 
 import aiohttp
 
-# Logit gap under which two candidates count as tied: batch layout changes the float
-# summation order, which can flip only such a pair.
-NEAR_TIE_LOGIT_GAP = 0.02
+from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP, top2_gap
 
 
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict) -> dict:
@@ -21,16 +19,6 @@ async def post_json(http: aiohttp.ClientSession, url: str, body: dict) -> dict:
 async def tokenize(http: aiohttp.ClientSession, base: str, text: str) -> list[int]:
     payload = await post_json(http, base + "/tokenize", {"content": text, "add_special": True})
     return payload["tokens"]
-
-
-async def top2_gap(http: aiohttp.ClientSession, ref_url: str, context: list[int]) -> tuple:
-    """(top-2 ids, logit gap) of llama-server alone after `context`."""
-    body = {"prompt": context, "n_predict": 1, "n_probs": 2, "temperature": 0.0}
-    payload = await post_json(http, ref_url + "/completion", body)
-    top = payload["completion_probabilities"][0]["top_logprobs"]
-    ids = [t["id"] for t in top]
-    gap = top[0]["logprob"] - top[1]["logprob"]  # log-softmax gap == logit gap
-    return ids, gap
 
 
 async def assert_greedy_equal(
