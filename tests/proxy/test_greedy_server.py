@@ -272,3 +272,24 @@ async def test_drafting_ahead_is_reused_and_lossless(
         metrics = proxy.state.metrics
         assert metrics.decode_check_failures == 0
         assert (metrics.reused_tokens > 0) == overlap
+
+
+async def test_mismatch_explained_by_the_servers_top2(http, ref_server):
+    from proxy.bench.neartie import explain_mismatch, top2_gap
+
+    prompt = await tokenize(http, ref_server, PROMPTS[0])
+    body = {"prompt": prompt, "n_predict": 3, "temperature": 0, "return_tokens": True}
+    expected = (await post_json(http, ref_server + "/completion", body))["tokens"]
+    ids, gap = await top2_gap(http, ref_server, prompt + expected[:1])
+    assert ids[0] == expected[1] and gap >= 0
+    outsider = next(t for t in range(100, 200) if t not in ids)
+    report = await explain_mismatch(
+        http, ref_server, prompt, expected, [expected[0], outsider], 1, margin=1e9
+    )
+    assert report["top2"] == ids and not report["near_tie"]  # not even a candidate
+    runner_up = [expected[0], ids[1]]
+    assert (await explain_mismatch(http, ref_server, prompt, expected, runner_up, 1, 1e9))[
+        "near_tie"
+    ]
+    tight = await explain_mismatch(http, ref_server, prompt, expected, runner_up, 1, gap / 2)
+    assert not tight["near_tie"] or gap == 0
