@@ -26,6 +26,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "doctor": ("proxy.doctor", "report llama-server, ONNX Runtime providers and server setup"),
     "bench": ("proxy.bench_cmd", "plain vs llama.cpp drafting vs the proxy vs an oracle drafter"),
+    "verify-cost": (
+        "proxy.bench.verify_cost",
+        "what one verify round costs on llama-server, and why",
+    ),
 }
 
 

@@ -1,0 +1,94 @@
+"""scripts/verify_cost.py end to end on CPU with the small factory models.
+
+Asserts that the session completes, that the JSON holds every row asked for, and
+that each k+1-prompt verify round took exactly one llama_decode (DESIGN.md §2):
+never a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.bench.verify_cost import (
+    Variant,
+    expected_round_tokens,
+    parse_variant,
+    percentile,
+)
+from tests.conftest import SERVER_THREADS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_options_and_helpers() -> None:
+    assert parse_variant("fa-off=-ngl 99 -fa off") == Variant(
+        "fa-off", ["-ngl", "99", "-fa", "off"]
+    )
+    assert parse_variant("cpu=") == Variant("cpu", [])
+    assert percentile([3.0], 0.9) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
+    assert expected_round_tokens(1, 0) == 3
+    assert expected_round_tokens(4, 2) == 18  # 15 for the new tokens, 3 for short slots
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_verify_cost_runs_and_rounds_take_one_decode(
+    llama_server_bin: Path, demo_models: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "verify-cost.json"
+    command = [
+        sys.executable, str(REPO / "scripts" / "verify_cost.py"),
+        "--models", str(demo_models),
+        "--variant", "base=",
+        "--context", "128",
+        "-k", "1,2",
+        "--new-tokens", "1,3",
+        "--np-large", "4",
+        "--np-ks", "1",  # e: -np 2 vs -np 4 with two idle slots full
+        "--repeats", "1",
+        "--warmup", "1",
+        "--plain-tokens", "8",
+        "-t", SERVER_THREADS,
+        "--llama-server", str(llama_server_bin),
+        "--work-dir", str(tmp_path / "work"),
+        "-o", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| variant | ctx | what |" in done.stdout
+
+    result = json.loads(out.read_text())
+    assert result["schema"] == "npu-spec-verify-cost/1"
+    assert result["errors"] == []
+    assert [(s["np"], s["context"]) for s in result["servers"]] == [(4, 128), (2, 128)]
+    rows = {row["what"]: row for row in result["rows"]}
+    assert set(rows) == {
+        "a: plain decoding, ms/token",
+        "b: 1 slot, +1 token",
+        "c: 1 slot, +3 tokens",
+        "d: k=1, k+1 prompts",
+        "d: k=2, k+1 prompts",
+        "e: k=1, -np 4, idle slots full",
+        "e: k=1, -np 2",
+    }
+    for row in result["rows"]:
+        assert row["variant"] == "base" and row["context"] == 128
+        assert row["n"] == len(row["samples"]) == 1
+        assert row["ms_median"] > 0
+    for what in ("b: 1 slot, +1 token", "c: 1 slot, +3 tokens"):
+        assert rows[what]["decodes_per_round"] == 1
+        assert rows[what]["server_ms_median"] > 0
+    # the claim the proxy rests on: k+1 prompts in one request are one llama_decode
+    verify_rows = [r for r in result["rows"] if r["part"] in ("d", "e")]
+    assert len(verify_rows) == 4
+    for row in verify_rows:
+        for sample in row["samples"]:
+            assert sample["decodes"] == 1, (row["what"], sample)
+            assert len(sample["results"]) == row["k"] + 1
+        assert row["server_ms_median"] > 0
