@@ -9,12 +9,16 @@ has to fit in memory. Tokenizer metadata is copied from llama.cpp's own
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
+from npu_draft.factory.quant import q8_0_byte_shape, quantize_q8_0
 from npu_draft.factory.shapes import ModelShape
 from npu_draft.factory.weights import TensorSpec
 
@@ -73,6 +77,62 @@ def read_tokenizer_fields(vocab_gguf: Path, cache_file: Path | None = None) -> l
     return rows
 
 
+# Byte sizes of GGUF scalar value types (GGUFValueType); 8 = string, 9 = array.
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def read_tensor_types(path: Path) -> tuple[int | None, dict[str, tuple[tuple[int, ...], int]]]:
+    """`general.file_type` and each tensor's (numpy-order shape, GGML type) of a GGUF file.
+
+    Reads the header only and skips the tokenizer arrays, where gguf's GGUFReader
+    spends ~10 s parsing the 151k-token vocabulary.
+    """
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+        offset = 24
+
+        def string() -> str:
+            nonlocal offset
+            (length,) = struct.unpack_from("<Q", data, offset)
+            offset += 8 + length
+            return bytes(data[offset - length : offset]).decode()
+
+        def skip(value_type: int) -> None:
+            nonlocal offset
+            if value_type == 8:
+                string()
+            elif value_type == 9:
+                item_type, count = struct.unpack_from("<IQ", data, offset)
+                offset += 12
+                if item_type in _GGUF_SCALAR_SIZES:
+                    offset += count * _GGUF_SCALAR_SIZES[item_type]
+                else:
+                    for _ in range(count):
+                        skip(item_type)
+            else:
+                offset += _GGUF_SCALAR_SIZES[value_type]
+
+        file_type = None
+        for _ in range(n_kv):
+            key = string()
+            (value_type,) = struct.unpack_from("<I", data, offset)
+            offset += 4
+            if key == "general.file_type":
+                (file_type,) = struct.unpack_from("<I", data, offset)
+            skip(value_type)
+        tensors = {}
+        for _ in range(n_tensors):
+            name = string()
+            (n_dims,) = struct.unpack_from("<I", data, offset)
+            dims = struct.unpack_from(f"<{n_dims}Q", data, offset + 4)
+            tensor_type, _ = struct.unpack_from("<IQ", data, offset + 4 + 8 * n_dims)
+            offset += 4 + 8 * n_dims + 12
+            tensors[name] = (tuple(reversed(dims)), tensor_type)
+    return file_type, tensors
+
+
 def _add_tokenizer(writer: GGUFWriter, tokenizer_fields: list[list]) -> None:
     for key, value_type, sub_type, value in tokenizer_fields:
         if key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id"):
@@ -88,16 +148,66 @@ def _add_tokenizer(writer: GGUFWriter, tokenizer_fields: list[list]) -> None:
     writer.add_add_bos_token(False)
 
 
+# Weight types of 2-D tensors and the GGUF `general.file_type` (llama_ftype) each implies.
+WEIGHT_TYPES = {
+    "float32": (GGMLQuantizationType.F32, 0),  # LLAMA_FTYPE_ALL_F32
+    "float16": (GGMLQuantizationType.F16, 1),  # LLAMA_FTYPE_MOSTLY_F16
+    "q8_0": (GGMLQuantizationType.Q8_0, 7),  # LLAMA_FTYPE_MOSTLY_Q8_0
+}
+GGML_QUANTIZATION_VERSION = 2  # what llama-quantize and convert_hf_to_gguf.py record
+
+
+def weight_type_name(dtype: str | np.dtype | type) -> str:
+    """'float32', 'float16' or 'q8_0' for a numpy dtype or one of those names."""
+    if isinstance(dtype, str) and dtype.lower() == "q8_0":
+        return "q8_0"
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in WEIGHT_TYPES:
+        raise ValueError(f"unsupported weight type {dtype!r}; one of {sorted(WEIGHT_TYPES)}")
+    return name
+
+
+def _tensor_layout(spec: TensorSpec, weight_type: str) -> tuple[GGMLQuantizationType, tuple, int]:
+    """GGML type, shape as add_tensor_info takes it, and byte count of one tensor.
+
+    1-D tensors (norms) are always float32, as llama.cpp expects (llama-quantize
+    leaves them so too); token embeddings and output head follow the weight type,
+    as llama-quantize does for a Q8_0 file type.
+    """
+    kind = "float32" if len(spec.shape) == 1 else weight_type
+    if kind == "q8_0":
+        byte_shape = q8_0_byte_shape(spec.shape)
+        return GGMLQuantizationType.Q8_0, byte_shape, int(np.prod(byte_shape))
+    itemsize = np.dtype(kind).itemsize
+    return WEIGHT_TYPES[kind][0], spec.shape, int(np.prod(spec.shape)) * itemsize
+
+
+def _tensor_data(spec: TensorSpec, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    if ggml_type == GGMLQuantizationType.Q8_0:
+        data = spec.make_q8_0() if spec.make_q8_0 is not None else quantize_q8_0(spec.make())
+        return np.ascontiguousarray(data, dtype=np.uint8)
+    dtype = np.float16 if ggml_type == GGMLQuantizationType.F16 else np.float32
+    return np.ascontiguousarray(spec.make(), dtype=dtype)
+
+
 def write_gguf(
     path: Path,
     shape: ModelShape,
     tensors: Iterable[TensorSpec],
-    dtype: np.dtype,
+    dtype: str | np.dtype | type,
     tokenizer_fields: list[list],
     chat_template: str,
     name: str,
 ) -> None:
-    """Write one model; 1-D tensors (norms) are always float32, as llama.cpp expects."""
+    """Write one model with 2-D weights of `dtype` (float32, float16 or q8_0).
+
+    1-D tensors (norms) are always float32. The next tensor is made (and quantized)
+    in a background thread while the current one is written.
+    """
+    weight_type = weight_type_name(dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     writer = GGUFWriter(tmp, ARCH)
@@ -112,22 +222,32 @@ def write_gguf(
     writer.add_value_length(shape.head_dim)
     writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(RMS_EPS)
-    writer.add_file_type(1 if np.dtype(dtype) == np.float16 else 0)
+    writer.add_file_type(WEIGHT_TYPES[weight_type][1])
+    if weight_type == "q8_0":
+        writer.add_quantization_version(GGML_QUANTIZATION_VERSION)
     _add_tokenizer(writer, tokenizer_fields)
     writer.add_chat_template(chat_template)
 
     specs = list(tensors)
-    for spec in specs:
-        tensor_dtype = np.dtype(np.float32) if len(spec.shape) == 1 else np.dtype(dtype)
-        raw = GGMLQuantizationType.F16 if tensor_dtype == np.float16 else GGMLQuantizationType.F32
-        nbytes = int(np.prod(spec.shape)) * tensor_dtype.itemsize
-        writer.add_tensor_info(gguf_tensor_name(spec.name), spec.shape, tensor_dtype, nbytes, raw)
+    layouts = [_tensor_layout(spec, weight_type) for spec in specs]
+    for spec, (ggml_type, info_shape, nbytes) in zip(specs, layouts, strict=True):
+        info_dtype = np.dtype(np.uint8 if ggml_type == GGMLQuantizationType.Q8_0 else np.float32)
+        writer.add_tensor_info(
+            gguf_tensor_name(spec.name), info_shape, info_dtype, nbytes, ggml_type
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for spec in specs:
-        data = spec.make()
-        tensor_dtype = np.float32 if len(spec.shape) == 1 else dtype
-        writer.write_tensor_data(np.ascontiguousarray(data, dtype=tensor_dtype))
+    # Tensors are made in order (the padded target's random filler depends on it), one
+    # ahead of the writer, so at most two sit in memory.
+    with ThreadPoolExecutor(1) as maker:
+        pending = None
+        for spec, (ggml_type, _, _) in zip(specs, layouts, strict=True):
+            made = maker.submit(_tensor_data, spec, ggml_type)
+            if pending is not None:
+                writer.write_tensor_data(pending.result())
+            pending = made
+        if pending is not None:
+            writer.write_tensor_data(pending.result())
     writer.close()
     tmp.replace(path)

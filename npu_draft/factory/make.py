@@ -21,9 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from npu_draft.factory.gguf_out import EOS_TOKEN_ID, read_tokenizer_fields, write_gguf
+from npu_draft.factory.gguf_out import (
+    EOS_TOKEN_ID,
+    read_tokenizer_fields,
+    weight_type_name,
+    write_gguf,
+)
 from npu_draft.factory.hf_out import build_tokenizer_files, write_hf_folder
-from npu_draft.factory.shapes import CORE, TARGET_SHAPES
+from npu_draft.factory.shapes import CORE, TARGET_SHAPES, ModelShape
 from npu_draft.factory.weights import (
     Weights,
     noisy_weights,
@@ -97,6 +102,58 @@ def _tokenizer_dir(vocab_gguf: Path, chat_template: str) -> Path:
     return cached
 
 
+def _weight_type(target_dtype: str | None, big: ModelShape) -> str:
+    # Big GPU shapes in float16 (what a real checkpoint would be); small ones exact in float32.
+    return weight_type_name(target_dtype or ("float16" if big.hidden >= 2048 else "float32"))
+
+
+def _core_weights(seed: int, eos_boost: float) -> Weights:
+    core = random_weights(CORE, seed)
+    if eos_boost > 0:
+        core["lm_head.weight"][EOS_TOKEN_ID] *= eos_boost
+    return core
+
+
+def _write_target(
+    path: Path, core: Weights, target_shape: str, weight_type: str, seed: int, common: dict
+) -> None:
+    big = TARGET_SHAPES[target_shape]
+    # Arrays the tensors are made in: Q8_0 quantizes float32 values.
+    dtype = np.dtype(np.float32 if weight_type == "q8_0" else weight_type)
+    if big != CORE:
+        tensors = padded_tensors(core, CORE, big, seed, dtype)
+        write_gguf(path, big, tensors, weight_type, name=f"npu-spec-{target_shape}", **common)
+    else:
+        write_gguf(
+            path, CORE, plain_tensors(core, dtype), weight_type, name="npu-spec-core", **common
+        )
+
+
+def write_target(
+    path: str | Path,
+    seed: int = 0,
+    target_shape: str = "small",
+    target_dtype: str | None = None,
+    eos_boost: float = 0.0,
+) -> Path:
+    """Only the target GGUF that `make_models` writes for these arguments (same bytes).
+
+    For comparing target weight types without the rest of the set (HF folders, drafter).
+    """
+    path = Path(path)
+    if target_shape not in TARGET_SHAPES:
+        raise ValueError(f"unknown target shape {target_shape!r}; one of {sorted(TARGET_SHAPES)}")
+    weight_type = _weight_type(target_dtype, TARGET_SHAPES[target_shape])
+    vocab_gguf, chat_template = _pinned_sources()
+    tokenizer_dir = _tokenizer_dir(vocab_gguf, chat_template)
+    fields = read_tokenizer_fields(
+        vocab_gguf, cache_file=tokenizer_dir / "gguf-tokenizer-fields.json"
+    )
+    common = {"tokenizer_fields": fields, "chat_template": chat_template}
+    _write_target(path, _core_weights(seed, eos_boost), target_shape, weight_type, seed, common)
+    return path
+
+
 def make_models(
     out: str | Path,
     seed: int = 0,
@@ -108,6 +165,11 @@ def make_models(
 ) -> Path:
     """Write the model set into `out` and return it.
 
+    target_dtype is the target's 2-D weight type: float32, float16 or q8_0 (default
+    float16 for the qwen3-* shapes, else float32). q8_0 (GGML Q8_0, as llama-quantize
+    writes it; norms stay float32) halves a float16 file, but the quantized core no
+    longer computes the float32 core function exactly (see `npu-spec make-models -h`).
+
     eos_boost > 0 scales the output row of `<|im_end|>` by that factor, so greedy
     generations end by EOS after a few dozen tokens (2.5 ends the test prompts after
     12-30 tokens); the random model otherwise practically never emits it.
@@ -117,17 +179,13 @@ def make_models(
     if target_shape not in TARGET_SHAPES:
         raise ValueError(f"unknown target shape {target_shape!r}; one of {sorted(TARGET_SHAPES)}")
     big = TARGET_SHAPES[target_shape]
-    padded = big != CORE
-    # Big GPU shapes in float16 (what a real checkpoint would be); small ones exact in float32.
-    dtype = np.dtype(target_dtype or ("float16" if big.hidden >= 2048 else "float32"))
+    weight_type = _weight_type(target_dtype, big)
 
     vocab_gguf, chat_template = _pinned_sources()
     tokenizer_dir = _tokenizer_dir(vocab_gguf, chat_template)
     out.mkdir(parents=True, exist_ok=True)
 
-    core = random_weights(CORE, seed)
-    if eos_boost > 0:
-        core["lm_head.weight"][EOS_TOKEN_ID] *= eos_boost
+    core = _core_weights(seed, eos_boost)
     drafted = draft_weights(core, spec, seed)
     log.info("writing %s (target %s, draft %s, seed %d)", out, target_shape, spec, seed)
     write_hf_folder(out / "target-hf", CORE, core, tokenizer_dir, f"npu-spec-core-s{seed}")
@@ -138,17 +196,12 @@ def make_models(
         vocab_gguf, cache_file=tokenizer_dir / "gguf-tokenizer-fields.json"
     )
     common = {"tokenizer_fields": fields, "chat_template": chat_template}
-    if padded:
-        tensors = padded_tensors(core, CORE, big, seed, dtype)
-        write_gguf(
-            out / "target.gguf", big, tensors, dtype, name=f"npu-spec-{target_shape}", **common
-        )
+    _write_target(out / "target.gguf", core, target_shape, weight_type, seed, common)
+    if big != CORE:
         write_gguf(out / "core.gguf", CORE, plain_tensors(core, np.float32), np.float32,
                    name="npu-spec-core", **common)  # fmt: skip
     else:
         (out / "core.gguf").unlink(missing_ok=True)
-        write_gguf(out / "target.gguf", CORE, plain_tensors(core, dtype), dtype,
-                   name="npu-spec-core", **common)  # fmt: skip
     write_gguf(out / "draft.gguf", CORE, plain_tensors(drafted, np.float32), np.float32,
                name=f"npu-spec-draft-{spec}", **common)  # fmt: skip
     if with_drafter:
@@ -162,7 +215,7 @@ def make_models(
         "target_shape": target_shape,
         "target_dims": asdict(big),
         "core_dims": asdict(CORE),
-        "target_dtype": dtype.name,
+        "target_dtype": weight_type,
         "eos_boost": eos_boost,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from npu_draft.factory.quant import Q8_0_BLOCK_BYTES, QK8_0, q8_0_byte_shape, quantize_q8_0
 from npu_draft.factory.shapes import ModelShape
 
 Weights = dict[str, np.ndarray]
@@ -100,11 +101,17 @@ def noisy_weights(weights: Weights, sigma: float, seed: int) -> Weights:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor to write: its name, shape and a function producing its data on demand."""
+    """A tensor to write: its name, shape and a function producing its data on demand.
+
+    `make_q8_0`, where given, returns exactly `quantize_q8_0(make())` but builds it
+    from the tensor's known structure (zero padding, repeated filler) instead of
+    quantizing every value; the GGUF writer prefers it.
+    """
 
     name: str
     shape: tuple[int, ...]
     make: Callable[[], np.ndarray]
+    make_q8_0: Callable[[], np.ndarray] | None = None
 
 
 def _check_paddable(core: ModelShape, big: ModelShape) -> None:
@@ -135,6 +142,25 @@ def _query_head_rows(core: ModelShape, big: ModelShape) -> np.ndarray:
     return np.concatenate(rows)
 
 
+def _block_columns(cols: slice | np.ndarray, width: int) -> slice | np.ndarray | None:
+    """Q8_0 block indices of a column selection made of whole, aligned 32-column blocks.
+
+    None when the selection splits a block (then the fast path does not apply).
+    """
+    if isinstance(cols, slice):
+        start, stop, step = cols.indices(width)
+        if step != 1 or start % QK8_0 or stop % QK8_0:
+            return None
+        return slice(start // QK8_0, stop // QK8_0)
+    if len(cols) % QK8_0:
+        return None
+    groups = np.asarray(cols).reshape(-1, QK8_0)
+    first = groups[:, :1]
+    if np.any(first % QK8_0) or not np.array_equal(groups, first + np.arange(QK8_0)):
+        return None
+    return groups[:, 0] // QK8_0
+
+
 def padded_tensors(
     core_weights: Weights, core: ModelShape, big: ModelShape, seed: int, dtype: np.dtype
 ) -> Iterator[TensorSpec]:
@@ -144,6 +170,12 @@ def padded_tensors(
     are scaled by sqrt(h_small / h_big) because the norm now averages over more
     (zero) units; extra layers get random weights (full cost) but zero output
     projections, so they add nothing to the residual stream.
+
+    `dtype` is that of `make()`'s arrays. Every 2-D tensor also gets `make_q8_0`:
+    its Q8_0 bytes are zero blocks around the quantized core (the core occupies
+    whole 32-column blocks) or the quantized filler, quantized once per shape and
+    shared by every extra layer, so a 32B-shaped target costs a few hundred
+    million quantized values rather than 32 billion.
     """
     _check_paddable(core, big)
     scale = math.sqrt(core.hidden / big.hidden)
@@ -152,6 +184,7 @@ def padded_tensors(
     kv = core.kv_heads * core.head_dim
     rng = np.random.default_rng(seed)
     filler_cache: dict[tuple[int, ...], np.ndarray] = {}
+    filler_q8_cache: dict[tuple[int, ...], np.ndarray] = {}
 
     def filler(dims: tuple[int, ...], std: float) -> np.ndarray:
         # One random block per shape, reused by every extra layer: same cost, fast.
@@ -159,9 +192,29 @@ def padded_tensors(
             filler_cache[dims] = (std * rng.standard_normal(dims, dtype=np.float32)).astype(dtype)
         return filler_cache[dims]
 
-    def padded(name: str, dims: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    def filler_q8_0(dims: tuple[int, ...], std: float) -> np.ndarray:
+        if dims not in filler_q8_cache:
+            filler_q8_cache[dims] = quantize_q8_0(filler(dims, std))
+        return filler_q8_cache[dims]
+
+    def placement(name: str) -> tuple[slice | np.ndarray, slice | np.ndarray]:
+        """Where a 2-D core tensor sits in its zero-padded big tensor: out[rows, cols]."""
+        if name.endswith("q_proj.weight"):
+            return q_rows, slice(0, h)
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            return slice(0, kv), slice(0, h)
+        if name.endswith("o_proj.weight"):
+            return slice(0, h), q_rows
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            return slice(0, f), slice(0, h)
+        if name.endswith("down_proj.weight"):
+            return slice(0, h), slice(0, f)
+        return slice(None), slice(0, h)  # embeddings and output head: [vocab, hidden]
+
+    def padded(name: str, dims: tuple[int, ...]) -> TensorSpec:
+        core_t = core_weights[name]
+
         def make() -> np.ndarray:
-            core_t = core_weights[name]
             out = np.zeros(dims, dtype=dtype)
             if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) or (
                 name == "model.norm.weight"
@@ -169,34 +222,43 @@ def padded_tensors(
                 out[:h] = core_t * scale
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 out[:] = core_t
-            elif name.endswith("q_proj.weight"):
-                out[q_rows, :h] = core_t
-            elif name.endswith(("k_proj.weight", "v_proj.weight")):
-                out[:kv, :h] = core_t
-            elif name.endswith("o_proj.weight"):
-                out[:h, q_rows] = core_t
-            elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-                out[:f, :h] = core_t
-            elif name.endswith("down_proj.weight"):
-                out[:h, :f] = core_t
-            else:  # embeddings and output head: [vocab, hidden]
-                out[:, :h] = core_t
+            else:
+                out[placement(name)] = core_t
             return out
 
-        return make
+        if len(dims) != 2:
+            return TensorSpec(name, dims, make)
 
-    def extra(name: str, dims: tuple[int, ...]) -> Callable[[], np.ndarray]:
-        def make() -> np.ndarray:
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                return np.zeros(dims, dtype=dtype)
-            std = _init_std(name)
-            return np.ones(dims, dtype=dtype) if std is None else filler(dims, std)
+        def make_q8_0() -> np.ndarray:
+            rows, cols = placement(name)
+            blocks = _block_columns(cols, dims[1])
+            if blocks is None:
+                return quantize_q8_0(make())
+            out = np.zeros((dims[0], dims[1] // QK8_0, Q8_0_BLOCK_BYTES), dtype=np.uint8)
+            quantized = quantize_q8_0(core_t.astype(dtype))
+            both_arrays = not isinstance(rows, slice) and not isinstance(blocks, slice)
+            index = np.ix_(rows, blocks) if both_arrays else (rows, blocks)
+            out[index] = quantized.reshape(core_t.shape[0], -1, Q8_0_BLOCK_BYTES)
+            return out.reshape(q8_0_byte_shape(dims))
 
-        return make
+        return TensorSpec(name, dims, make, make_q8_0)
+
+    def extra(name: str, dims: tuple[int, ...]) -> TensorSpec:
+        std = _init_std(name)
+        if std is None:  # a norm
+            return TensorSpec(name, dims, lambda: np.ones(dims, dtype=dtype))
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return TensorSpec(
+                name,
+                dims,
+                lambda: np.zeros(dims, dtype=dtype),
+                lambda: np.zeros(q8_0_byte_shape(dims), dtype=np.uint8),
+            )
+        return TensorSpec(name, dims, lambda: filler(dims, std), lambda: filler_q8_0(dims, std))
 
     for name, dims in tensor_shapes(big).items():
         is_extra_layer = name.startswith("model.layers.") and int(name.split(".")[2]) >= core.layers
-        yield TensorSpec(name, dims, extra(name, dims) if is_extra_layer else padded(name, dims))
+        yield extra(name, dims) if is_extra_layer else padded(name, dims)
 
 
 def plain_tensors(weights: Weights, dtype: np.dtype) -> Iterator[TensorSpec]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from npu_draft.factory.gguf_out import gguf_tensor_name
+from npu_draft.factory.gguf_out import WEIGHT_TYPES, gguf_tensor_name, weight_type_name
 from npu_draft.factory.make import DraftSpec
 from npu_draft.factory.shapes import CORE, TARGET_SHAPES, ModelShape
 from npu_draft.factory.weights import (
@@ -95,3 +95,24 @@ def test_padding_refuses_shapes_that_break_the_head_grouping() -> None:
     narrow = ModelShape(hidden=512, layers=4, heads=2, kv_heads=2, ffn=1024)  # group 1 < 2
     with pytest.raises(ValueError, match="grouping"):
         list(padded_tensors(core_weights, CORE, narrow, 0, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "name", "file_type"),
+    [
+        (np.float32, "float32", 0),
+        ("float16", "float16", 1),
+        (np.dtype(np.float16), "float16", 1),
+        ("q8_0", "q8_0", 7),
+        ("Q8_0", "q8_0", 7),
+    ],
+)
+def test_weight_types_and_their_gguf_file_types(dtype, name: str, file_type: int) -> None:
+    assert weight_type_name(dtype) == name
+    assert WEIGHT_TYPES[name][1] == file_type  # llama.h: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q8_0 7
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "bfloat16", np.int8])
+def test_unsupported_weight_types_are_refused(dtype) -> None:
+    with pytest.raises(ValueError, match="unsupported weight type"):
+        weight_type_name(dtype)
