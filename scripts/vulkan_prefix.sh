@@ -53,7 +53,10 @@ unpack() {  # DEB: dpkg-deb where present, else binutils' ar + tar
 }
 
 shopt -s nullglob
-debs=("$DEB_DIR"/*.deb)
+# DEB_DIR/gl: libglvnd and its GL/EGL/GLX front ends. The NVIDIA Vulkan ICD is
+# libGLX_nvidia.so.0, which needs libGLdispatch.so.0; without it the loader finds no
+# driver (vkCreateInstance -> -9, llama-server: "no usable GPU found").
+debs=("$DEB_DIR"/*.deb "$DEB_DIR"/gl/*.deb)
 [ ${#debs[@]} -gt 0 ] || { say "no .deb files in $DEB_DIR"; exit 1; }
 for deb in "${debs[@]}"; do unpack "$deb"; done
 
@@ -128,9 +131,15 @@ if [ -z "$icd" ]; then
     say "no NVIDIA Vulkan ICD json found; naming $icd anyway (fine on a build-only machine)"
 fi
 
+# The driver's own libraries (libGLX_nvidia.so.0 and what it loads) live here in the
+# device image; elsewhere they are on the system path already.
+RUNLIBS=$LIB
+[ -d /usr/local/nvidia/lib64 ] && RUNLIBS=$RUNLIBS:/usr/local/nvidia/lib64
+
 # Loader + driver check: create an instance and list the GPUs (non-fatal).
 if command -v python3 >/dev/null; then
-    LD_LIBRARY_PATH=$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} VK_DRIVER_FILES=$icd \
+    LD_LIBRARY_PATH=$RUNLIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} VK_DRIVER_FILES=$icd \
+        VK_LOADER_DEBUG=${VK_LOADER_DEBUG:-error,warn} \
         timeout 60 python3 - "$LIB/libvulkan.so.1" >&2 <<'EOF' || say "Vulkan device check failed (see above); the build itself can still work"
 import ctypes as C, sys
 try:
@@ -164,5 +173,5 @@ EOF
 fi
 
 # --- output ---------------------------------------------------------------------------
-echo "export LD_LIBRARY_PATH=$LIB\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH} VK_DRIVER_FILES=$icd VK_ICD_FILENAMES=$icd"
+echo "export LD_LIBRARY_PATH=$RUNLIBS\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH} VK_DRIVER_FILES=$icd VK_ICD_FILENAMES=$icd"
 echo "--cmake-args='-DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR=$PREFIX/usr/include -DVulkan_LIBRARY=$LIB/libvulkan.so -DVulkan_GLSLC_EXECUTABLE=$PREFIX/bin/glslc -DSPIRV-Headers_DIR=$PREFIX/usr/share/cmake/SPIRV-Headers -DCMAKE_PREFIX_PATH=$PREFIX/usr'"
