@@ -34,7 +34,9 @@ class ProxySettings(BaseSettings):
     )
     k: int = Field(4, ge=0, le=16, description="most draft tokens per round")
     adaptive_k: bool = Field(True, description="choose each round's draft length (else k)")
-    overlap: bool = Field(True, description="keep drafting while the server verifies")
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto", description="draft while the server verifies: auto (measured per round), on, off"
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)

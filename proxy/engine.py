@@ -32,6 +32,7 @@ from proxy.acceptance import (
 )
 from proxy.adaptive_k import DraftLengthPolicy, RoundCosts
 from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, GreedyDraft
+from proxy.overlap_policy import OverlapPolicy
 from proxy.upstream import (
     SamplingSpec,
     UpstreamClient,
@@ -184,7 +185,7 @@ class GenerationParams:
     k: int = 4  # the most drafts a round may verify
     sampling: SamplingSpec | None = None  # None: greedy
     adaptive: bool = True  # greedy: choose each round's length (proxy.adaptive_k)
-    overlap: bool = True  # greedy: keep drafting while the server verifies
+    overlap: bool = True  # greedy: may draft while the server verifies (OverlapPolicy decides)
 
 
 @dataclass
@@ -354,6 +355,7 @@ class Generation:
         replicator: SlotReplicator | None = None,
         slot_file: str = "npu-spec-prefill.bin",
         policy: DraftLengthPolicy | None = None,
+        overlap_policy: OverlapPolicy | None = None,
     ) -> None:
         self.upstream = upstream
         self.prompt = list(prompt)
@@ -368,6 +370,7 @@ class Generation:
         self.replicator = replicator
         self.slot_file = slot_file
         self.policy = policy or DraftLengthPolicy(params.k, params.adaptive)
+        self.overlap_policy = overlap_policy or OverlapPolicy("auto" if params.overlap else "off")
         self.result: GenerationResult | None = None
         self._ahead: asyncio.Task[None] | None = None
         self._ahead_cancel: CancelToken | None = None
@@ -411,11 +414,13 @@ class Generation:
         drafter, self.drafter = self.drafter, None
         return drafter
 
-    def _start_ahead(self) -> None:
-        """While the server verifies, keep drafting the line as if all is accepted."""
+    def _start_ahead(self) -> bool:
+        """While the server verifies, keep drafting the line as if all is accepted.
+        Whether to is the overlap policy's measured choice; returns that choice, or
+        False where drafting ahead is off or the drafter cannot."""
         extend = getattr(self.drafter, "extend", None)
-        if not self.params.overlap or extend is None:
-            return
+        if not self.params.overlap or extend is None or not self.overlap_policy.choose():
+            return False
         self._ahead_cancel = cancel = CancelToken()
 
         async def run() -> None:
@@ -427,6 +432,7 @@ class Generation:
                 log.warning("[%s] drafting ahead failed", self.request_id, exc_info=True)
 
         self._ahead = asyncio.create_task(run())
+        return True
 
     async def _stop_ahead(self) -> None:
         """Stop drafting ahead (it ends after the token in progress) and wait for it."""
@@ -460,6 +466,8 @@ class Generation:
             draft_rng, rule_rng, seed_rng = (np.random.default_rng(s) for s in streams)
             chooser = RngChooser(rule_rng)
             eog = await self.pieces.eog_tokens()
+        pending_overlap: tuple[bool, float] | None = None  # (drafted ahead?, verify ms)
+        chose_ahead: bool | None = None
         try:
             while not state.finished:
                 round_start = time.perf_counter()
@@ -482,8 +490,10 @@ class Generation:
                     drafted, dists, draft_ms = await self._draft(committed, k)
                     draft = drafted.tokens
                     verify_start = time.perf_counter()
-                    if draft:
-                        self._start_ahead()
+                    if pending_overlap is not None:  # the last round's choice, judged
+                        self.overlap_policy.observe(*pending_overlap, next_draft_ms=draft_ms)
+                        pending_overlap = None
+                    chose_ahead = self._start_ahead() if draft else None
                     results = await self.upstream.verify(committed, draft)
                 else:
                     drafted, dists, draft_ms = await self._draft(
@@ -494,6 +504,8 @@ class Generation:
                     server_seed = int(seed_rng.integers(0, 0xFFFFFFFF))  # 0xFFFFFFFF: random
                     results = await self.upstream.verify(committed, draft, sampling, server_seed)
                 verify_ms = (time.perf_counter() - verify_start) * 1e3
+                if sampling is None and chose_ahead is not None and self.params.overlap:
+                    pending_overlap = (chose_ahead, verify_ms)
                 if first_round_end is None:
                     n_cached = results[0].cached
                 acceptance: Acceptance

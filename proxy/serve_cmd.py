@@ -41,13 +41,17 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
-        ("--no-overlap",),
+        ("--overlap",),
         {
-            "action": "store_false",
+            "choices": ["auto", "on", "off"],
             "dest": "overlap",
-            "default": None,
-            "help": "draft only between verifications (default: also during them)",
+            "help": "draft while the server verifies: auto (default; measured, kept where it "
+            "pays), on, off",
         },
+    ),
+    (
+        ("--no-overlap",),
+        {"action": "store_const", "const": "off", "dest": "overlap", "help": "--overlap off"},
     ),
     (("--host",), {"help": "address to listen on (default 127.0.0.1)"}),
     (("--port",), {"type": int, "help": "port to listen on (default 8080)"}),

@@ -34,6 +34,7 @@ from proxy.engine import (
     TokenEvent,
 )
 from proxy.metrics import ProxyMetrics
+from proxy.overlap_policy import OverlapPolicy
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
 from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
@@ -55,7 +56,7 @@ class ProxyState:
 
     replicate_prefill: bool = True
     adaptive_k: bool = True
-    overlap: bool = True
+    overlap: str = "auto"  # auto | on | off (proxy.overlap_policy)
 
     # reliability and security
     guard: GuardSettings = field(default_factory=GuardSettings)
@@ -80,6 +81,7 @@ class ProxyState:
         # clients (guard.RESERVED_SLOT_PREFIX), so no request can swap their contents.
         self.slot_file_stem = f"{RESERVED_SLOT_PREFIX}{secrets.token_hex(8)}"
         self.draft_lengths = DraftLengthPolicy(self.k, self.adaptive_k)
+        self.overlap_policy = OverlapPolicy(self.overlap)
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
 
@@ -128,7 +130,7 @@ async def build_state(
     replicate_prefill: bool = True,
     max_queue: int | None = None,
     adaptive_k: bool = True,
-    overlap: bool = True,
+    overlap: str = "auto",
     **reliability: Any,
 ) -> ProxyState:
     """Read the server's facts (props, settings template) and assemble the state.
@@ -372,7 +374,7 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
                 k=state.k,
                 sampling=params.sampling,
                 adaptive=state.adaptive_k,
-                overlap=state.overlap,
+                overlap=state.overlap != "off",
             ),
             n_ctx=state.n_ctx,
             drafter=await state.drafters.open(),
@@ -384,6 +386,7 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             replicator=state.replicator,
             slot_file=f"{state.slot_file_stem}-g{group}.bin",  # one file per group
             policy=state.draft_lengths,
+            overlap_policy=state.overlap_policy,
         )
         log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, len(tokens))
         if params.stream:

@@ -181,3 +181,32 @@ def test_policy_fits_the_verify_slope():
     for k in (2, 4, 6, 8) * 4:
         policy.observe(RoundCosts([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
     assert policy.verify_slope_ms() == pytest.approx(2.5)
+
+
+def test_overlap_policy_tries_both_arms_then_keeps_the_cheaper():
+    from proxy.overlap_policy import OverlapPolicy
+
+    policy = OverlapPolicy("auto")
+    seen = []
+    for _ in range(8):  # exploration alternates until each arm has 4 samples
+        arm = policy.choose()
+        seen.append(arm)
+        # drafting ahead slows verification by 20 ms and saves 5 ms of drafting
+        policy.observe(arm, verify_ms=60.0 if arm else 40.0, next_draft_ms=5.0 if arm else 10.0)
+    assert seen.count(True) == seen.count(False) == 4
+    assert policy.best() is False
+    later = [policy.choose() for _ in range(32)]
+    assert later.count(True) == 2  # only the periodic re-tries
+    # the load changes: drafting ahead becomes free
+    for _ in range(60):
+        policy.observe(True, verify_ms=40.0, next_draft_ms=5.0)
+    assert policy.best() is True
+
+
+def test_overlap_policy_fixed_modes():
+    from proxy.overlap_policy import OverlapPolicy
+
+    assert all(OverlapPolicy("on").choose() for _ in range(20))
+    assert not any(OverlapPolicy("off").choose() for _ in range(20))
+    with pytest.raises(ValueError):
+        OverlapPolicy("sometimes")
