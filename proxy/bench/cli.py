@@ -46,10 +46,10 @@ def _modes(text: str) -> list[str]:
 
 
 def _variant(text: str) -> tuple[str, list[str]]:
-    name, sep, options = text.partition("=")
-    if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=OPTIONS, got {text!r}")
-    return name.strip(), shlex.split(options)
+    from proxy.bench.verify_cost import parse_variant
+
+    variant = parse_variant(text)
+    return variant.name, variant.args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

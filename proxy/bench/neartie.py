@@ -9,6 +9,7 @@ differing position are both candidates and their logit gap is below the margin.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -19,10 +20,10 @@ NEAR_TIE_LOGIT_GAP = 0.02
 
 
 async def top2_gap(
-    session: aiohttp.ClientSession, server_url: str, context: list[int]
+    session: aiohttp.ClientSession, server_url: str, context: Sequence[int]
 ) -> tuple[list[int], float]:
     """(top-2 ids, logit gap) of a llama-server after `context` (greedy, one token)."""
-    body = {"prompt": context, "n_predict": 1, "n_probs": 2, "temperature": 0.0}
+    body = {"prompt": list(context), "n_predict": 1, "n_probs": 2, "temperature": 0.0}
     async with session.post(server_url + "/completion", json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"top-2 probe: HTTP {response.status}: {await response.text()}")
@@ -34,14 +35,14 @@ async def top2_gap(
 async def explain_mismatch(
     session: aiohttp.ClientSession,
     server_url: str,
-    prompt: list[int],
-    reference: list[int],
-    got: list[int],
+    prompt: Sequence[int],
+    reference: Sequence[int],
+    got: Sequence[int],
     position: int,
     margin: float = NEAR_TIE_LOGIT_GAP,
 ) -> dict[str, Any]:
     """What the server says about the first position where `got` left `reference`."""
-    ids, gap = await top2_gap(session, server_url, prompt + reference[:position])
+    ids, gap = await top2_gap(session, server_url, [*prompt, *reference[:position]])
     pair = {reference[position]} | ({got[position]} if position < len(got) else set())
     return {
         "position": position,

@@ -275,10 +275,13 @@ class BenchSession:
                 if exact is not None and record["first_mismatch"] is not None:
                     # the verify server (proxy, oracle) or the mode's own server
                     probe = verify_server.base_url if verify_server else instance.base_url
-                    record["near_tie"] = await explain_mismatch(
-                        session, probe, prompt.tokens, trial.outputs[prompt.id].tokens, exact,
-                        record["first_mismatch"],
-                    )  # fmt: skip
+                    try:
+                        record["near_tie"] = await explain_mismatch(
+                            session, probe, prompt.tokens, trial.outputs[prompt.id].tokens,
+                            exact, record["first_mismatch"],
+                        )  # fmt: skip
+                    except (aiohttp.ClientError, RuntimeError, KeyError, IndexError) as exc:
+                        record["near_tie"] = {"error": f"{type(exc).__name__}: {exc}"}
                 self.runs.append(record)
             memory = instance.memory()
         finally:

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.host import host_info
+from proxy.bench.runner import _jsonable, _now, write_json
 from proxy.llama_server import find_llama_server
 from proxy.managed import ServerLayout, managed_server
 from proxy.upstream import (
@@ -538,25 +539,6 @@ def render_table(result: dict[str, Any]) -> str:
     for error in result.get("errors", []):
         notes.append(f"FAILED {error['variant']} ctx {error['context']}: {error['error']}")
     return "\n".join(lines + notes)
-
-
-def write_json(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
 
 
 # -- command line -----------------------------------------------------------------
