@@ -466,7 +466,8 @@ class Generation:
             draft_rng, rule_rng, seed_rng = (np.random.default_rng(s) for s in streams)
             chooser = RngChooser(rule_rng)
             eog = await self.pieces.eog_tokens()
-        pending_overlap: tuple[bool, float] | None = None  # (drafted ahead?, verify ms)
+        # the last round's (drafted ahead?, drafts, verify ms), judged after the next draft
+        pending_overlap: tuple[bool, int, float] | None = None
         chose_ahead: bool | None = None
         try:
             while not state.finished:
@@ -491,7 +492,9 @@ class Generation:
                     draft = drafted.tokens
                     verify_start = time.perf_counter()
                     if pending_overlap is not None:  # the last round's choice, judged
-                        self.overlap_policy.observe(*pending_overlap, next_draft_ms=draft_ms)
+                        self.overlap_policy.observe(
+                            *pending_overlap, next_drafted=len(draft), next_draft_ms=draft_ms
+                        )
                         pending_overlap = None
                     chose_ahead = self._start_ahead() if draft else None
                     results = await self.upstream.verify(committed, draft)
@@ -505,7 +508,7 @@ class Generation:
                     results = await self.upstream.verify(committed, draft, sampling, server_seed)
                 verify_ms = (time.perf_counter() - verify_start) * 1e3
                 if sampling is None and chose_ahead is not None and self.params.overlap:
-                    pending_overlap = (chose_ahead, verify_ms)
+                    pending_overlap = (chose_ahead, len(draft), verify_ms)
                 if first_round_end is None:
                     n_cached = results[0].cached
                 acceptance: Acceptance

@@ -3,18 +3,36 @@
 Drafting ahead saves the next round's drafting when the whole block (and the bonus
 guess) is accepted. It costs nothing where the drafter has a processor of its own
 (an NPU, or a CPU while the target runs on a GPU), but where drafter and server share
-CPU cores it slows the verification it overlaps (measured on 2 cores: 37 -> 54 ms per
-verify round). So the proxy measures both arms as it serves: for a round r, what the
-choice affects is r's verification and the drafting that r+1 waits for. It keeps the
-arm with the lower running mean of that sum, and re-tries the other arm now and then
-because load changes.
+CPU cores it slows the verification it overlaps (measured on 2 cores: 36 -> 50 ms per
+verify round). So the proxy measures both sides as it serves:
+
+- the saving, in the round after one that drafted ahead: what drafting its tokens
+  fresh would have cost (tokens x the per-token drafting time measured after rounds
+  that did not draft ahead) minus the drafting it actually waited for (a miss still
+  waits for the token being drafted ahead);
+- the penalty: verify time with drafting ahead minus verify time without, compared at
+  equal draft lengths (the length changes the verify time far more than the overlap).
+
+It keeps drafting ahead while the mean saving exceeds the mean penalty, and re-tries
+the losing choice now and then because load changes.
 """
 
 from __future__ import annotations
 
-_ALPHA = 0.1  # weight of the newest sample in each arm's running mean
-_MIN_SAMPLES = 4  # per arm, before the comparison decides
-_RETRY_EVERY = 16  # rounds between tries of the arm that is losing
+import logging
+
+log = logging.getLogger(__name__)
+
+_ALPHA = 0.05  # weight of the newest sample in each running mean
+_HYSTERESIS_MS = 1.0  # switch only when the other choice looks better by this much
+_MIN_SAMPLES = 12  # per choice, before the comparison decides (verify times are noisy)
+_MIN_PER_LENGTH = 3  # samples per choice at one draft length for it to count
+_RETRY_EVERY = 8  # rounds between tries of the losing choice
+
+
+def _mean(old: float | None, new: float, count: int) -> float:
+    """Running mean: exact over the first 1/_ALPHA samples, then exponential."""
+    return new if old is None else old + max(1.0 / count, _ALPHA) * (new - old)
 
 
 class OverlapPolicy:
@@ -24,40 +42,77 @@ class OverlapPolicy:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"overlap mode must be auto, on or off, not {mode!r}")
         self.mode = mode
-        self.cost_ms: dict[bool, float | None] = {True: None, False: None}
+        self.verify_ms: dict[tuple[bool, int], float] = {}  # (ahead?, drafts) -> mean
+        self.verify_n: dict[tuple[bool, int], int] = {}
         self.samples: dict[bool, int] = {True: 0, False: 0}
+        self.saving_ms: float | None = None
+        self.saving_n = 0
+        self.draft_ms_per_token: float | None = None
+        self.draft_n = 0
         self.rounds = 0
+        self._current = True
 
     def choose(self) -> bool:
         if self.mode != "auto":
             return self.mode == "on"
         self.rounds += 1
-        for arm in (True, False):  # explore: both arms need samples first
-            if self.samples[arm] < _MIN_SAMPLES and self.samples[not arm] >= self.samples[arm]:
-                return arm
+        if self.saving_n < _MIN_SAMPLES or min(self.samples.values()) < _MIN_SAMPLES:
+            return self.samples[True] <= self.samples[False]  # explore: alternate
         best = self.best()
-        if self.rounds % _RETRY_EVERY == 0:
-            return not best
-        return best
+        return not best if self.rounds % _RETRY_EVERY == 0 else best
+
+    def penalty_ms(self) -> float | None:
+        """Extra verify time with drafting ahead, over the draft lengths seen often enough
+        both ways, weighted by how often."""
+        total = weight = 0.0
+        for (ahead, n), with_ms in self.verify_ms.items():
+            if not ahead:
+                continue
+            counts = min(self.verify_n[(True, n)], self.verify_n.get((False, n), 0))
+            if counts >= _MIN_PER_LENGTH:
+                total += counts * (with_ms - self.verify_ms[(False, n)])
+                weight += counts
+        return total / weight if weight else None
 
     def best(self) -> bool:
-        with_ahead, without = self.cost_ms[True], self.cost_ms[False]
-        if with_ahead is None or without is None:
+        penalty = self.penalty_ms()
+        if penalty is None or self.saving_ms is None:
             return True
-        return with_ahead <= without
+        margin = self.saving_ms - penalty
+        if abs(margin) >= _HYSTERESIS_MS:
+            self._current = margin > 0
+        return self._current
 
-    def observe(self, ahead: bool, verify_ms: float, next_draft_ms: float) -> None:
-        """One round's verification and the drafting the following round waited for."""
-        cost = verify_ms + next_draft_ms
-        old = self.cost_ms[ahead]
-        self.cost_ms[ahead] = cost if old is None else old + _ALPHA * (cost - old)
+    def observe(
+        self, ahead: bool, n_drafted: int, verify_ms: float, next_drafted: int, next_draft_ms: float
+    ) -> None:
+        """One round (its choice, length and verify time) and the drafting of the next."""
+        before = self.best()
+        key = (ahead, n_drafted)
+        self.verify_n[key] = self.verify_n.get(key, 0) + 1
+        self.verify_ms[key] = _mean(self.verify_ms.get(key), verify_ms, self.verify_n[key])
         self.samples[ahead] += 1
+        if next_drafted > 0:
+            if not ahead:  # every token of the next draft was made fresh
+                self.draft_n += 1
+                self.draft_ms_per_token = _mean(
+                    self.draft_ms_per_token, next_draft_ms / next_drafted, self.draft_n
+                )
+            elif self.draft_ms_per_token is not None:
+                fresh_cost = next_drafted * self.draft_ms_per_token
+                self.saving_n += 1
+                self.saving_ms = _mean(self.saving_ms, fresh_cost - next_draft_ms, self.saving_n)
+        if self.best() != before and self.saving_n >= _MIN_SAMPLES:
+            log.info(
+                "drafting ahead now %s (saves %.1f ms of drafting, costs %.1f ms of verify)",
+                "on" if self.best() else "off", self.saving_ms or 0.0, self.penalty_ms() or 0.0,
+            )  # fmt: skip
 
     def snapshot(self) -> dict[str, object]:
         return {
             "mode": self.mode,
             "chosen": self.best() if self.mode == "auto" else self.mode == "on",
-            "cost_ms_with_ahead": self.cost_ms[True],
-            "cost_ms_without": self.cost_ms[False],
+            "saving_ms": self.saving_ms,
+            "penalty_ms": self.penalty_ms(),
             "samples": dict(self.samples),
         }

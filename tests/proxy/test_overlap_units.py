@@ -183,23 +183,44 @@ def test_policy_fits_the_verify_slope():
     assert policy.verify_slope_ms() == pytest.approx(2.5)
 
 
-def test_overlap_policy_tries_both_arms_then_keeps_the_cheaper():
+def run_rounds(policy, rounds: int, penalty_ms: float, draft_ms_per_token: float, hit: float):
+    """Rounds of 2 drafts; drafting ahead slows verification by `penalty_ms` and leaves
+    the next draft ready with probability `hit` (else it waits for half a token more)."""
+    rng = np.random.default_rng(0)
+    choices = []
+    for _ in range(rounds):
+        ahead = policy.choose()
+        choices.append(ahead)
+        verify = 40.0 + (penalty_ms if ahead else 0.0) + rng.normal(0, 1)
+        if ahead and rng.random() < hit:
+            next_draft = 0.2
+        else:
+            next_draft = 2 * draft_ms_per_token + (0.5 * draft_ms_per_token if ahead else 0)
+        policy.observe(ahead, 2, verify, next_drafted=2, next_draft_ms=next_draft)
+    return choices
+
+
+def test_overlap_policy_keeps_drafting_ahead_where_it_costs_verification_nothing():
     from proxy.overlap_policy import OverlapPolicy
 
     policy = OverlapPolicy("auto")
-    seen = []
-    for _ in range(8):  # exploration alternates until each arm has 4 samples
-        arm = policy.choose()
-        seen.append(arm)
-        # drafting ahead slows verification by 20 ms and saves 5 ms of drafting
-        policy.observe(arm, verify_ms=60.0 if arm else 40.0, next_draft_ms=5.0 if arm else 10.0)
-    assert seen.count(True) == seen.count(False) == 4
+    choices = run_rounds(policy, 200, penalty_ms=0.0, draft_ms_per_token=5.0, hit=0.5)
+    assert choices[:24].count(True) == choices[:24].count(False) == 12  # both tried first
+    assert policy.best() is True
+    later = choices[40:]
+    assert later.count(False) <= len(later) / 8 + 1  # only the periodic re-tries
+
+
+def test_overlap_policy_drops_drafting_ahead_when_it_slows_verification_more_than_it_saves():
+    from proxy.overlap_policy import OverlapPolicy
+
+    policy = OverlapPolicy("auto")
+    choices = run_rounds(policy, 200, penalty_ms=14.0, draft_ms_per_token=9.0, hit=0.5)
     assert policy.best() is False
-    later = [policy.choose() for _ in range(32)]
-    assert later.count(True) == 2  # only the periodic re-tries
-    # the load changes: drafting ahead becomes free
-    for _ in range(60):
-        policy.observe(True, verify_ms=40.0, next_draft_ms=5.0)
+    later = choices[40:]
+    assert later.count(True) <= len(later) / 8 + 1
+    # the load changes: drafting ahead stops slowing verification; the re-tries see it
+    run_rounds(policy, 800, penalty_ms=0.0, draft_ms_per_token=9.0, hit=0.5)
     assert policy.best() is True
 
 
