@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from npu_draft.protocol import SamplingParams
+from proxy.prompt_json import ContextTextCache, verify_body_text
 
 # Keys the verify batch needs back from each result; everything else is trimmed.
 VERIFY_FIELDS = ["index", "tokens", "content", "stop_type", "timings/cache_n", "id_slot"]
@@ -93,6 +94,13 @@ class UpstreamClientError(Exception):
 
 
 @dataclass(frozen=True)
+class RawJson:
+    """A request body already encoded as JSON text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     """The target's greedy next token after one prompt of the verify batch."""
 
@@ -145,6 +153,7 @@ class UpstreamClient:
         self._session: aiohttp.ClientSession | None = None
         # llama-server's --api-key; sent on every request, never logged
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._contexts = ContextTextCache()  # JSON text of recent verify contexts
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -185,7 +194,7 @@ class UpstreamClient:
             async with self.session.request(
                 method,
                 url,
-                data=None if body is None else json.dumps(body),
+                data=_encoded(body),
                 headers={"Content-Type": "application/json"} if body is not None else None,
                 timeout=self._timeout(timeout or self.timeouts.control),
             ) as response:
@@ -322,20 +331,20 @@ class UpstreamClient:
         the full post-sampling distribution). No `id_slot`, no `n_cmpl`: each prompt
         must pick the idle slot sharing its longest prefix.
         """
-        context = list(context)
-        prompts = [context + list(draft[:i]) for i in range(len(draft) + 1)]
-        if sampling is None:
-            body = {"prompt": prompts, **GREEDY_VERIFY_PARAMS}
-        else:
-            body = {"prompt": prompts, **sampling_verify_params(sampling, seed)}
+        params = (
+            GREEDY_VERIFY_PARAMS if sampling is None else sampling_verify_params(sampling, seed)
+        )
+        draft = [int(t) for t in draft]
+        body = RawJson(verify_body_text(self._contexts.text(list(context)), draft, params))
         payload = await self._request_json(
             "POST", "/completion", body, timeout=self.timeouts.verify
         )
         results = payload if isinstance(payload, list) else [payload]
-        if len(results) != len(prompts):
+        n_prompts = len(draft) + 1
+        if len(results) != n_prompts:
             raise UpstreamError(
                 self.base_url,
-                f"verify batch of {len(prompts)} prompts returned {len(results)} results",
+                f"verify batch of {n_prompts} prompts returned {len(results)} results",
             )
         by_index = sorted(results, key=lambda r: r.get("index", 0))
         out: list[VerifyResult] = []
@@ -377,3 +386,9 @@ def _error_message(payload: Any) -> str | None:
         if isinstance(error, str):
             return error
     return None
+
+
+def _encoded(body: Any) -> str | None:
+    if body is None:
+        return None
+    return body.text if isinstance(body, RawJson) else json.dumps(body)
