@@ -37,12 +37,17 @@ def _contexts(text: str) -> list[int | None]:
     return out
 
 
-def _modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODE_KINDS]
+def comma_choices(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """'a,b' -> ['a', 'b'], each one of `allowed`."""
+    items = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in items if m not in allowed]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown modes {unknown}; from {', '.join(MODE_KINDS)}")
-    return modes
+        raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; from {', '.join(allowed)}")
+    return items
+
+
+def _modes(text: str) -> list[str]:
+    return comma_choices(text, MODE_KINDS, "modes")
 
 
 def _variant(text: str) -> tuple[str, list[str]]:

@@ -569,11 +569,9 @@ def parse_variant(text: str) -> Variant:
 
 
 def _parts(text: str) -> list[str]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown parts {unknown}; from {', '.join(PARTS)}")
-    return parts
+    from proxy.bench.cli import comma_choices
+
+    return comma_choices(text, tuple(PARTS), "parts")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
