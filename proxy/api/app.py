@@ -216,7 +216,7 @@ async def _forward(
 async def metrics(request: web.Request) -> web.Response:
     """The proxy's counters, followed by the server's own when it exposes them."""
     state = request.app[STATE]
-    page = state.metrics.render() + reliability_metrics(state)
+    page = state.metrics.render() + reliability_metrics(state) + policy_metrics(state)
     try:
         page += await state.upstream.metrics_text()
     except UpstreamError as exc:
@@ -224,6 +224,30 @@ async def metrics(request: web.Request) -> web.Response:
     response = web.Response(text=page, content_type="text/plain")
     response.headers[HEADER] = "speculative"
     return response
+
+
+def policy_metrics(state: ProxyState) -> str:
+    """What the draft-length and overlap policies have measured and chose (gauges;
+    a value not measured yet is left out)."""
+    lengths = state.draft_lengths.snapshot()
+    overlap = state.overlap_policy.snapshot()
+    rows = [
+        ("npu_spec_drafting_ahead", "1 while drafts are made during verification",
+         1.0 if overlap["chosen"] else 0.0),
+        ("npu_spec_drafting_ahead_saving_ms", "Drafting a round avoided by drafting ahead",
+         overlap["saving_ms"]),
+        ("npu_spec_drafting_ahead_penalty_ms", "Verify time drafting ahead added",
+         overlap["penalty_ms"]),
+        ("npu_spec_draft_calibration", "Accepted drafts over the draft's own expectation",
+         lengths["calibration"] if lengths["rounds"] else None),
+        ("npu_spec_verify_ms_per_draft", "Verify time each extra draft adds (fitted)",
+         lengths["verify_ms_per_draft"] if lengths["rounds"] else None),
+    ]  # fmt: skip
+    lines: list[str] = []
+    for name, help_text, value in rows:
+        if value is not None:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value:g}"]
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def reliability_metrics(state: ProxyState) -> str:

@@ -272,6 +272,10 @@ async def test_drafting_ahead_is_reused_and_lossless(
         metrics = proxy.state.metrics
         assert metrics.decode_check_failures == 0
         assert (metrics.reused_tokens > 0) == (overlap == "on")
+        async with http.get(proxy.url + "/metrics") as response:
+            page = await response.text()
+        assert f"npu_spec_drafting_ahead {1 if overlap == 'on' else 0}\n" in page
+        assert "npu_spec_draft_calibration " in page  # measured rounds exist
 
 
 async def test_mismatch_explained_by_the_servers_top2(http, ref_server):
