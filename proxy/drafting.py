@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from npu_draft.protocol import GREEDY, CancelToken, Draft, DraftSession, SamplingParams
+from npu_draft.protocol import CancelToken, Draft, DraftSession, SamplingParams
 from npu_draft.sampling import choose_token
 
 # worth(position, cumulative_probability) -> draft this position?  (position is 1-based)
@@ -175,4 +175,4 @@ class AsyncSessionDrafter:
         await self._session.close()
 
 
-__all__ = ["GREEDY", "AsyncDrafter", "AsyncSessionDrafter", "GreedyDraft", "StopRule", "always"]
+__all__ = ["AsyncDrafter", "AsyncSessionDrafter", "GreedyDraft", "StopRule", "always"]

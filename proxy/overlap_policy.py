@@ -75,19 +75,14 @@ class OverlapPolicy:
         return total / weight if weight else None
 
     def best(self) -> bool:
-        penalty = self.penalty_ms()
-        if penalty is None or self.saving_ms is None:
-            return True
-        margin = self.saving_ms - penalty
-        if abs(margin) >= _HYSTERESIS_MS:
-            self._current = margin > 0
+        """The choice the measurements support (drafting ahead until they exist)."""
         return self._current
 
     def observe(
         self, ahead: bool, n_drafted: int, verify_ms: float, next_drafted: int, next_draft_ms: float
     ) -> None:
         """One round (its choice, length and verify time) and the drafting of the next."""
-        before = self.best()
+        before = self._current
         key = (ahead, n_drafted)
         self.verify_n[key] = self.verify_n.get(key, 0) + 1
         self.verify_ms[key] = _mean(self.verify_ms.get(key), verify_ms, self.verify_n[key])
@@ -102,7 +97,12 @@ class OverlapPolicy:
                 fresh_cost = next_drafted * self.draft_ms_per_token
                 self.saving_n += 1
                 self.saving_ms = _mean(self.saving_ms, fresh_cost - next_draft_ms, self.saving_n)
-        if self.best() != before and self.saving_n >= _MIN_SAMPLES:
+        penalty = self.penalty_ms()
+        if penalty is not None and self.saving_ms is not None:
+            margin = self.saving_ms - penalty
+            if abs(margin) >= _HYSTERESIS_MS:  # hysteresis: no flapping on noise
+                self._current = margin > 0
+        if self._current != before and self.saving_n >= _MIN_SAMPLES:
             log.info(
                 "drafting ahead now %s (saves %.1f ms of drafting, costs %.1f ms of verify)",
                 "on" if self.best() else "off", self.saving_ms or 0.0, self.penalty_ms() or 0.0,

@@ -27,6 +27,7 @@ class ContextTextCache:
         self._entries: list[tuple[list[int], str]] = []
 
     def text(self, context: list[int]) -> str:
+        """`context` is kept as is (not copied): the caller must not change it later."""
         for i, (tokens, text) in enumerate(self._entries):
             n = len(tokens)
             if n <= len(context) and context[:n] == tokens:
@@ -36,7 +37,7 @@ class ContextTextCache:
                 break
         else:
             text = ids_text(context)
-        self._entries.insert(0, (list(context), text))
+        self._entries.insert(0, (context, text))
         del self._entries[self.size :]
         return text
 

@@ -334,7 +334,6 @@ class UpstreamClient:
         params = (
             GREEDY_VERIFY_PARAMS if sampling is None else sampling_verify_params(sampling, seed)
         )
-        draft = [int(t) for t in draft]
         body = RawJson(verify_body_text(self._contexts.text(list(context)), draft, params))
         payload = await self._request_json(
             "POST", "/completion", body, timeout=self.timeouts.verify
