@@ -37,6 +37,11 @@ class ProxySettings(BaseSettings):
     overlap: Literal["auto", "on", "off"] = Field(
         "auto", description="draft while the server verifies: auto (measured per round), on, off"
     )
+    plain_runs: Literal["auto", "off"] = Field(
+        "auto",
+        description="let llama-server decode alone while that is measured to be faster than "
+        "speculating (auto), or always speculate (off)",
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)

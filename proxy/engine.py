@@ -33,6 +33,7 @@ from proxy.acceptance import (
 from proxy.adaptive_k import DraftLengthPolicy, RoundCosts
 from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, GreedyDraft
 from proxy.overlap_policy import OverlapPolicy
+from proxy.plain_runs import PlainRunGate
 from proxy.upstream import (
     SamplingSpec,
     UpstreamClient,
@@ -203,6 +204,7 @@ class RoundRecord:
     # would have accepted in the same round; None in greedy mode
     n_matched: int | None = None
     n_reused: int = 0  # drafts that were ready from drafting ahead
+    plain_run: bool = False  # the server decoded n_committed tokens alone (proxy.plain_runs)
 
 
 @dataclass
@@ -308,6 +310,43 @@ class SlotReplicator:
             return 0
 
 
+def _complete_prefix(data: bytes) -> bytes:
+    """`data` without a trailing UTF-8 sequence that the next bytes may still complete."""
+    for back in range(1, min(4, len(data)) + 1):
+        lead = data[-back]
+        if lead & 0xC0 != 0x80:  # not a continuation byte
+            need = 1 if lead < 0x80 else 2 if lead >> 5 == 6 else 3 if lead >> 4 == 14 else 4
+            return data[:-back] if need > back and lead >> 3 != 31 else data
+    return data
+
+
+def _renders_as_prefix(data: bytes, text: str) -> bool:
+    return text.startswith(_complete_prefix(data).decode("utf-8", errors="replace"))
+
+
+def align_pieces(pieces: Sequence[bytes], text: str) -> list[bytes]:
+    """The bytes each token added to the server's generated `text`.
+
+    `pieces` are exact token pieces as `/tokenize` gives them, control tokens (EOG
+    included) spelled out; the generation renders those as nothing. The server's text
+    has U+FFFD wherever the bytes are not valid UTF-8, so it is compared as decoded.
+    """
+    out: list[bytes] = []
+    data = b""
+    for piece in pieces:
+        if _renders_as_prefix(data + piece, text) or not piece:
+            data += piece
+            out.append(piece)
+        elif valid_utf8_prefix(piece) == len(piece) and _renders_as_prefix(data, text):
+            out.append(b"")  # a control token: whole text the generation leaves out
+        else:
+            data += piece
+            out.append(piece)
+    if data.decode("utf-8", errors="replace") != text:
+        log.warning("plain run: token pieces do not spell the server's text; kept as is")
+    return out
+
+
 class PieceCache:
     """Exact bytes of token pieces; the verify result's text is lossy only for
     tokens that end inside a UTF-8 character, and those are looked up once.
@@ -330,6 +369,14 @@ class PieceCache:
             cached = await self._upstream.token_bytes(token)
             self._exact[token] = cached
         return cached
+
+    async def run_pieces(self, tokens: Sequence[int], text: str) -> list[bytes]:
+        """What each token of a plain run added to the server's `text`; unknown
+        pieces are looked up concurrently."""
+        unknown = {t for t in tokens if t not in self._exact}
+        if unknown:
+            await asyncio.gather(*(self.token_piece(t) for t in unknown))
+        return align_pieces([self._exact[t] for t in tokens], text)
 
     async def piece(self, result: VerifyResult) -> bytes:
         if "\ufffd" not in result.piece:
@@ -356,6 +403,7 @@ class Generation:
         slot_file: str = "npu-spec-prefill.bin",
         policy: DraftLengthPolicy | None = None,
         overlap_policy: OverlapPolicy | None = None,
+        plain_runs: PlainRunGate | None = None,
     ) -> None:
         self.upstream = upstream
         self.prompt = list(prompt)
@@ -371,6 +419,7 @@ class Generation:
         self.slot_file = slot_file
         self.policy = policy or DraftLengthPolicy(params.k, params.adaptive)
         self.overlap_policy = overlap_policy or OverlapPolicy("auto" if params.overlap else "off")
+        self.plain_runs = plain_runs  # None: always speculate
         self.result: GenerationResult | None = None
         self._ahead: asyncio.Task[None] | None = None
         self._ahead_cancel: CancelToken | None = None
@@ -443,6 +492,41 @@ class Generation:
         ahead, self._ahead = self._ahead, None
         await asyncio.gather(ahead, return_exceptions=True)
 
+    def _plain_run_length(self, rounds: list[RoundRecord], greedy: bool, room: int) -> int:
+        """Tokens the server should decode alone next (0: a speculative round). Only
+        between greedy rounds: the first round prefills the slots."""
+        if self.plain_runs is None or not greedy or not rounds or self.drafter is None:
+            return 0
+        return max(0, min(self.plain_runs.choose(), room))
+
+    async def _plain_run(
+        self, state: ServerTextState, committed: list[int], n: int
+    ) -> tuple[list[TokenEvent], RoundRecord, int]:
+        """(events, record, tokens the server decoded) of one plain run."""
+        await self._stop_ahead()  # its line would be stale after the run
+        started = time.perf_counter()
+        run = await self.upstream.plain_run(committed, n)
+        run_ms = (time.perf_counter() - started) * 1e3
+        pieces = await self.pieces.run_pieces(run.tokens, run.content)
+        last = len(run.tokens) - 1
+        if run.stop_type == "eos":
+            pieces[last] = b""  # the server writes no text for the EOG token
+        events: list[TokenEvent] = []
+        for i, (token, piece) in enumerate(zip(run.tokens, pieces, strict=True)):
+            events.append(state.push(token, piece, i == last and run.stop_type == "eos"))
+            if state.finished:
+                break
+        record = RoundRecord(
+            n_drafted=0,
+            n_accepted=0,
+            n_committed=len(events),
+            draft_ms=0.0,
+            verify_ms=run_ms,
+            overhead_ms=(time.perf_counter() - started) * 1e3 - run_ms,
+            plain_run=True,
+        )
+        return events, record, len(run.tokens)
+
     async def _counters(self) -> tuple[int, int]:
         """(llamacpp:n_decode_total, llamacpp:prompt_tokens_total) right now."""
         values = await self.upstream.metrics()
@@ -469,6 +553,7 @@ class Generation:
         # the last round's (drafted ahead?, drafts, verify ms), judged after the next draft
         pending_overlap: tuple[bool, int, float] | None = None
         chose_ahead: bool | None = None
+        after_run = False  # the next round's other slots catch up on a plain run
         try:
             while not state.finished:
                 round_start = time.perf_counter()
@@ -477,6 +562,24 @@ class Generation:
                 # of the batch must stay below the slot's context, and the round
                 # commits at most k+1 tokens.
                 room = state.remaining()
+                run_n = self._plain_run_length(rounds, sampling is None, room)
+                if run_n:
+                    assert self.plain_runs is not None
+                    pending_overlap = None
+                    events, record, n_decoded = await self._plain_run(state, committed, run_n)
+                    for event in events:
+                        yield event
+                    if counters_before is not None:
+                        counters_after = await self._counters()
+                        record.decodes = counters_after[0] - counters_before[0]
+                        record.prompt_tokens = counters_after[1] - counters_before[1]
+                        counters_before = counters_after
+                    rounds.append(record)
+                    self.plain_runs.observe_run(record.verify_ms, n_decoded)
+                    if self.observer is not None:
+                        self.observer.observe_round(record)
+                    after_run = True
+                    continue
                 k = max(0, min(self.params.k, room - 1))
                 replicate = (
                     not rounds
@@ -573,6 +676,10 @@ class Generation:
                     n_reused=drafted.reused,
                 )
                 rounds.append(record)
+                steady = not record.first and not after_run and sampling is None
+                if self.plain_runs is not None and steady:
+                    self.plain_runs.observe_round(total_ms, n_committed)
+                after_run = False
                 if not record.first and drafted.probs:
                     self.policy.observe(
                         RoundCosts(

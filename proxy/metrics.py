@@ -58,12 +58,18 @@ class ProxyMetrics:
         self.sampled_accepted_tokens = 0
         self.sampled_matched_tokens = 0
         self.decode_check_failures = 0
+        self.plain_runs = 0  # proxy.plain_runs: requests the server decoded alone
+        self.plain_run_tokens = 0
         self.draft_ms = Histogram(MS_BUCKETS)
         self.verify_ms = Histogram(MS_BUCKETS)
         self.overhead_ms = Histogram(MS_BUCKETS)
         self.tokens_per_second = Histogram(TPS_BUCKETS)
 
     def observe_round(self, record: RoundRecord) -> None:
+        if record.plain_run:  # not a verify round: the server decoded alone
+            self.plain_runs += 1
+            self.plain_run_tokens += record.n_committed
+            return
         self.rounds += 1
         self.draft_tokens += record.n_drafted
         self.accepted_tokens += record.n_accepted
@@ -114,6 +120,15 @@ class ProxyMetrics:
         counter(
             "npu_spec_generated_tokens_total", "Tokens generated on the speculative path",
             self.generated_tokens,
+        )  # fmt: skip
+        counter(
+            "npu_spec_plain_runs_total",
+            "Plain runs: greedy tokens llama-server decoded alone because speculation cost more",
+            self.plain_runs,
+        )
+        counter(
+            "npu_spec_plain_run_tokens_total", "Tokens generated in plain runs",
+            self.plain_run_tokens,
         )  # fmt: skip
         counter(
             "npu_spec_sampled_draft_tokens_total",

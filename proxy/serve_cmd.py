@@ -53,6 +53,16 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         ("--no-overlap",),
         {"action": "store_const", "const": "off", "dest": "overlap", "help": "--overlap off"},
     ),
+    (
+        ("--plain-runs",),
+        {
+            "choices": ["auto", "off"],
+            "dest": "plain_runs",
+            "help": "auto (default): while speculating costs more per token than letting "
+            "llama-server decode alone (both measured), greedy requests go on in plain runs; "
+            "off: always speculate",
+        },
+    ),
     (("--host",), {"help": "address to listen on (default 127.0.0.1)"}),
     (("--port",), {"type": int, "help": "port to listen on (default 8080)"}),
     (("--llama-server",), {"dest": "llama_server", "help": "llama-server binary"}),
@@ -260,6 +270,7 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
             open_drafter,
             adaptive_k=settings.adaptive_k,
             overlap=settings.overlap,
+            plain_runs=settings.plain_runs,
             check_decodes=settings.check_decodes,
             strict_decodes=settings.strict_decodes,
             when_busy=settings.when_busy,

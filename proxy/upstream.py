@@ -114,6 +114,21 @@ class VerifyResult:
     candidates: tuple[tuple[int, bytes, float], ...] | None = None
 
 
+@dataclass
+class PlainRun:
+    """Greedy tokens the server decoded itself after one context (a plain run)."""
+
+    tokens: list[int]
+    content: str  # the server's text of the run (control tokens render as nothing)
+    stop_type: str  # "eos", "limit", ... as the server reports it
+    cached: int = 0  # context tokens the slot reused from its cache
+
+
+# A plain run is the greedy verify request with more tokens: same sampler chain, so
+# its tokens are what llama-server alone writes at temperature 0.
+PLAIN_RUN_FIELDS = ["tokens", "content", "stop_type", "timings/cache_n"]
+
+
 @dataclass(frozen=True)
 class Timeouts:
     connect: float = 5.0
@@ -364,6 +379,30 @@ class UpstreamClient:
                 )
             )
         return out
+
+    async def plain_run(self, context: Sequence[int], n_predict: int) -> PlainRun:
+        """Up to `n_predict` greedy tokens after `context`, decoded by the server alone
+        (non-streamed: a streamed chunk carries no id for a token that ends inside a
+        UTF-8 character)."""
+        params = {
+            **GREEDY_VERIFY_PARAMS,
+            "n_predict": n_predict,
+            "response_fields": PLAIN_RUN_FIELDS,
+        }
+        body = RawJson(verify_body_text(self._contexts.text(list(context)), [], params))
+        payload = await self._request_json(
+            "POST", "/completion", body, timeout=self.timeouts.verify
+        )
+        result = payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
+        tokens = result.get("tokens") if isinstance(result, dict) else None
+        if not isinstance(tokens, list) or not tokens or len(tokens) > n_predict:
+            raise UpstreamError(self.base_url, f"plain run returned no usable tokens: {result!r}")
+        return PlainRun(
+            tokens=[int(t) for t in tokens],
+            content=str(result.get("content", "")),
+            stop_type=str(result.get("stop_type", "")),
+            cached=int(result.get("timings/cache_n", 0)),
+        )
 
 
 def parse_candidates(result: dict[str, Any]) -> tuple[tuple[int, bytes, float], ...] | None:

@@ -35,6 +35,7 @@ from proxy.engine import (
 )
 from proxy.metrics import ProxyMetrics
 from proxy.overlap_policy import OverlapPolicy
+from proxy.plain_runs import PlainRunGate
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
 from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
@@ -57,6 +58,7 @@ class ProxyState:
     replicate_prefill: bool = True
     adaptive_k: bool = True
     overlap: str = "auto"  # auto | on | off (proxy.overlap_policy)
+    plain_runs: str = "auto"  # auto | off (proxy.plain_runs)
 
     # reliability and security
     guard: GuardSettings = field(default_factory=GuardSettings)
@@ -82,6 +84,7 @@ class ProxyState:
         self.slot_file_stem = f"{RESERVED_SLOT_PREFIX}{secrets.token_hex(8)}"
         self.draft_lengths = DraftLengthPolicy(self.k, self.adaptive_k)
         self.overlap_policy = OverlapPolicy(self.overlap)
+        self.plain_run_gate = PlainRunGate("off" if self.plain_runs == "off" else "auto")
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
 
@@ -131,6 +134,7 @@ async def build_state(
     max_queue: int | None = None,
     adaptive_k: bool = True,
     overlap: str = "auto",
+    plain_runs: str = "auto",
     **reliability: Any,
 ) -> ProxyState:
     """Read the server's facts (props, settings template) and assemble the state.
@@ -163,6 +167,7 @@ async def build_state(
         replicate_prefill=replicate_prefill,
         adaptive_k=adaptive_k,
         overlap=overlap,
+        plain_runs=plain_runs,
         **reliability,
     )
 
@@ -227,10 +232,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def policy_metrics(state: ProxyState) -> str:
-    """What the draft-length and overlap policies have measured and chose (gauges;
+    """What the draft-length, overlap and plain-run policies measured and chose (gauges;
     a value not measured yet is left out)."""
     lengths = state.draft_lengths.snapshot()
     overlap = state.overlap_policy.snapshot()
+    runs = state.plain_run_gate.snapshot()
     rows = [
         ("npu_spec_drafting_ahead", "1 while drafts are made during verification",
          1.0 if overlap["chosen"] else 0.0),
@@ -242,6 +248,12 @@ def policy_metrics(state: ProxyState) -> str:
          lengths["calibration"] if lengths["rounds"] else None),
         ("npu_spec_verify_ms_per_draft", "Verify time each extra draft adds (fitted)",
          lengths["verify_ms_per_draft"] if lengths["rounds"] else None),
+        ("npu_spec_plain_runs_chosen", "1 while plain runs are cheaper than speculating",
+         1.0 if runs["plain_chosen"] else 0.0),
+        ("npu_spec_speculative_ms_per_token", "Steady speculative rounds, ms per token",
+         runs["spec_ms_per_token"]),
+        ("npu_spec_plain_run_ms_per_token", "Plain runs, ms per token",
+         runs["plain_ms_per_token"]),
     ]  # fmt: skip
     lines: list[str] = []
     for name, help_text, value in rows:
@@ -411,6 +423,7 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             slot_file=f"{state.slot_file_stem}-g{group}.bin",  # one file per group
             policy=state.draft_lengths,
             overlap_policy=state.overlap_policy,
+            plain_runs=state.plain_run_gate,
         )
         log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, len(tokens))
         if params.stream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import logging
 import shlex
 from pathlib import Path
@@ -128,6 +129,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o", "--out", type=Path, help="result JSON (default: benchmarks/results/bench-<time>.json)"
     )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        metavar="RESULT.json",
+        help="run nothing: print the table of a saved result, summarised by this version",
+    )
 
 
 def options_from_args(args: argparse.Namespace):
@@ -165,9 +172,23 @@ def options_from_args(args: argparse.Namespace):
     )
 
 
+def report(path: Path) -> int:
+    """Re-summarise a saved result's runs (summaries are pure functions of them)."""
+    from proxy.bench.report import render_table
+    from proxy.bench.stats import summary_rows
+
+    result = json.loads(path.read_text())
+    result["summary"] = summary_rows(result["runs"], result["instances"])
+    print(render_table(result))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from proxy.bench.report import render_table
     from proxy.bench.runner import run_bench, write_json
+
+    if args.report is not None:
+        return report(args.report)
 
     options = options_from_args(args)
     if options.target is None:

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 
-def expected_tokens_per_round(a: float, k: int) -> float:
-    """E = (1 - a^(k+1)) / (1 - a): accepted run plus the correction or bonus token."""
+def expected_tokens_per_round(a: float, k: float) -> float:
+    """E = (1 - a^(k+1)) / (1 - a): accepted run plus the correction or bonus token.
+    A fractional k (the mean draft length of adaptive rounds) interpolates."""
     if k <= 0:
         return 1.0
     if a >= 1.0:
@@ -60,7 +61,7 @@ class Prediction:
 
 
 def predict(
-    a: float, k: int, draft_ms_per_token: float, verify_ms: float, overhead_ms: float
+    a: float, k: float, draft_ms_per_token: float, verify_ms: float, overhead_ms: float
 ) -> Prediction:
     """Predicted speed taking turns (draft, then verify) and with drafting overlapped."""
     tokens = expected_tokens_per_round(a, k)

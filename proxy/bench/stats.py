@@ -38,7 +38,9 @@ def _proxy_counters(d: dict[str, float]) -> dict[str, Any]:
         "draft_ms": d.get("npu_spec_draft_ms_sum", 0.0),
         "verify_ms": d.get("npu_spec_verify_ms_sum", 0.0),
         "overhead_ms": d.get("npu_spec_overhead_ms_sum", 0.0),
-        "decodes": round(d.get(DECODES, 0)),
+        # verify rounds only: a plain run decodes once per token it generates
+        "decodes": round(d.get(DECODES, 0) - d.get("npu_spec_plain_run_tokens_total", 0)),
+        "plain_run_tokens": round(d.get("npu_spec_plain_run_tokens_total", 0)),
         # requests that fell back to plain decoding: a broken drafter must not pass
         # for a slow one
         "drafter_failures": round(d.get("npu_spec_drafter_failures_total", 0)),
@@ -157,8 +159,10 @@ def summarize(
         out["decodes_per_round"] = _ratio(sum(r["stats"]["decodes"] for r in runs), rounds)
     a = out.get("acceptance_iid")
     if kind in ("proxy", "oracle") and a is not None and steady_rounds:
+        # the draft length the rounds really had: adaptive k drafts fewer than k
+        k_drafted = min(float(k), steady_drafted / steady_rounds)
         prediction = predict(
-            a, k, out["draft_ms_per_token"] or 0.0, out["verify_ms_per_round"],
+            a, k_drafted, out["draft_ms_per_token"] or 0.0, out["verify_ms_per_round"],
             out["overhead_ms_per_round"],
         )  # fmt: skip
         out["predicted"] = prediction.to_dict()

@@ -72,6 +72,9 @@ async def test_bench_all_modes_complete_and_match_plain(
         oracle_delay_ms=1.0,
         llama_server=llama_server_bin,
         work_dir=tmp_path / "work",
+        # 12 tokens a request: plain runs (the default) would take over after the first
+        # few rounds, and this test is about the speculative rounds' fields
+        proxy_variants=[("", ["--plain-runs", "off"])],
     )
     result = await run_bench(options)
     out = tmp_path / "bench.json"

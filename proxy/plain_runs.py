@@ -1,0 +1,128 @@
+"""Speculate or let the server decode alone: whichever the measurements say is faster.
+
+Through the stock HTTP API a verify round costs about two plain decode steps on a GPU
+(H200, 14B target at 512 tokens: 16-25 ms for k = 1-6 against 9.1 ms per plain token;
+at 4k tokens 25-54 ms against 9.9). With a drafter that is slow or often wrong, every
+round the proxy sends loses to llama-server's own decoding loop, so the proxy would be
+slower than the server it fronts. A *plain run* asks the server for `run_tokens`
+greedy tokens of the same context in one request (its own loop, one decode per token):
+lossless, since that is exactly what llama-server alone would write.
+
+The gate compares two measured rates, pooled over recent samples:
+
+- speculation: wall ms per committed token of steady rounds (drafting, verifying and
+  the proxy's own work; not the first round after a plain run, whose other slots catch
+  up on the run's tokens);
+- plain runs: wall ms per token of recent runs (the request's HTTP and prompt
+  matching included).
+
+It starts speculating, measures one plain run after a few rounds, then keeps the
+cheaper side (switching needs a `HYSTERESIS` lead) and re-measures the other side now
+and then, so a drafter that becomes worth it (another prompt, a warmer cache) wins
+back. One gate is shared by the requests of one proxy, like the draft-length policy.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Literal
+
+RunMode = Literal["auto", "off"]
+
+MIN_SPEC_ROUNDS = 6  # speculative rounds measured before the first plain run
+HYSTERESIS = 0.05  # the other side must be this much cheaper per token to switch
+PROBE_SPEC_AFTER = 256  # plain-run tokens between re-measurements of speculation
+PROBE_SPEC_ROUNDS = 4  # rounds of speculation each re-measurement runs
+PROBE_PLAIN_AFTER = 512  # committed speculative tokens between re-measured plain runs
+
+
+class _Rate:
+    """ms per token pooled over the last `size` samples."""
+
+    def __init__(self, size: int) -> None:
+        self._samples: deque[tuple[float, int]] = deque(maxlen=size)
+
+    def add(self, ms: float, tokens: int) -> None:
+        if tokens > 0:
+            self._samples.append((ms, tokens))
+
+    def clear(self) -> None:
+        self._samples.clear()
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    @property
+    def ms_per_token(self) -> float | None:
+        tokens = sum(t for _, t in self._samples)
+        return sum(ms for ms, _ in self._samples) / tokens if tokens else None
+
+
+class PlainRunGate:
+    """Before each greedy round: 0 to speculate, n > 0 for a plain run of n tokens."""
+
+    def __init__(self, mode: RunMode = "auto", run_tokens: int = 16) -> None:
+        if run_tokens < 1:
+            raise ValueError("run_tokens must be >= 1")
+        self.mode = mode
+        self.run_tokens = run_tokens
+        self._spec = _Rate(8)
+        self._plain = _Rate(4)
+        self.plain_chosen = False
+        self._spec_probe_left = 0  # speculative rounds a re-measurement still has to see
+        self._plain_tokens_since_probe = 0
+        self._spec_tokens_since_probe = 0
+        self.switches = 0
+
+    def choose(self) -> int:
+        if self.mode == "off" or self._spec_probe_left > 0:
+            return 0
+        if self._plain.ms_per_token is None:  # first measurement of plain runs
+            return self.run_tokens if len(self._spec) >= MIN_SPEC_ROUNDS else 0
+        if self.plain_chosen:
+            if self._plain_tokens_since_probe >= PROBE_SPEC_AFTER:
+                # re-measure speculation afresh: its old rounds may be long stale
+                self._plain_tokens_since_probe = 0
+                self._spec.clear()
+                self._spec_probe_left = PROBE_SPEC_ROUNDS
+                return 0
+            return self.run_tokens
+        if self._spec_tokens_since_probe >= PROBE_PLAIN_AFTER:
+            return self.run_tokens
+        return 0
+
+    def observe_round(self, round_ms: float, n_committed: int) -> None:
+        """A steady speculative round (not a first round, not one catching up a run)."""
+        self._spec.add(round_ms, n_committed)
+        self._spec_tokens_since_probe += n_committed
+        if self._spec_probe_left > 0:
+            self._spec_probe_left -= 1
+            if self._spec_probe_left > 0:
+                return  # judge the re-measurement once it is complete
+        self._decide()
+
+    def observe_run(self, run_ms: float, n_tokens: int) -> None:
+        self._plain.add(run_ms, n_tokens)
+        self._plain_tokens_since_probe += n_tokens
+        self._spec_tokens_since_probe = 0
+        self._decide()
+
+    def _decide(self) -> None:
+        spec, plain = self._spec.ms_per_token, self._plain.ms_per_token
+        if spec is None or plain is None:
+            return
+        if self.plain_chosen:
+            switch = spec < plain * (1 - HYSTERESIS)
+        else:
+            switch = plain < spec * (1 - HYSTERESIS)
+        if switch:
+            self.plain_chosen = not self.plain_chosen
+            self.switches += 1
+
+    def snapshot(self) -> dict[str, float | int | bool | None]:
+        return {
+            "plain_chosen": self.plain_chosen,
+            "spec_ms_per_token": self._spec.ms_per_token,
+            "plain_ms_per_token": self._plain.ms_per_token,
+            "switches": self.switches,
+        }

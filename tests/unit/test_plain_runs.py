@@ -1,0 +1,108 @@
+"""The plain-run gate: measured choice between speculating and plain runs (no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.plain_runs import (
+    MIN_SPEC_ROUNDS,
+    PROBE_PLAIN_AFTER,
+    PROBE_SPEC_AFTER,
+    PROBE_SPEC_ROUNDS,
+    PlainRunGate,
+)
+
+
+def speculate(gate: PlainRunGate, rounds: int, ms_per_token: float, tokens: int = 3) -> None:
+    for _ in range(rounds):
+        assert gate.choose() == 0
+        gate.observe_round(ms_per_token * tokens, tokens)
+
+
+def test_off_always_speculates():
+    gate = PlainRunGate("off")
+    for _ in range(50):
+        assert gate.choose() == 0
+        gate.observe_round(100.0, 1)
+
+
+def test_first_plain_run_after_a_few_rounds_then_the_cheaper_side_wins():
+    gate = PlainRunGate("auto", run_tokens=16)
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
+    assert gate.choose() == 16  # one measured plain run
+    gate.observe_run(16 * 10.0, 16)
+    assert gate.plain_chosen
+    assert gate.choose() == 16
+
+
+def test_speculation_kept_when_cheaper_and_plain_re_measured_now_and_then():
+    gate = PlainRunGate("auto", run_tokens=8)
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=5.0)
+    assert gate.choose() == 8
+    gate.observe_run(8 * 10.0, 8)
+    assert not gate.plain_chosen
+    # no plain run again until PROBE_PLAIN_AFTER speculative tokens were committed
+    speculate(gate, PROBE_PLAIN_AFTER // 4, ms_per_token=5.0, tokens=4)
+    assert gate.choose() == 8
+    gate.observe_run(8 * 10.0, 8)
+    assert not gate.plain_chosen
+
+
+def test_speculation_re_measured_while_plain_runs_win_and_can_win_back():
+    gate = PlainRunGate("auto", run_tokens=16)
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
+    gate.choose()
+    gate.observe_run(160.0, 16)
+    assert gate.plain_chosen
+    runs = 0
+    while gate.choose() == 16:  # plain runs until speculation is due a re-measurement
+        gate.observe_run(160.0, 16)
+        runs += 1
+    assert runs * 16 + 16 >= PROBE_SPEC_AFTER  # ran at least that many plain tokens
+    gate.observe_round(4 * 3.0, 4)  # speculation got much cheaper (another prompt)
+    for _ in range(PROBE_SPEC_ROUNDS - 2):
+        assert gate.plain_chosen  # judged only once the re-measurement is complete
+        assert gate.choose() == 0
+        gate.observe_round(4 * 3.0, 4)
+    assert gate.choose() == 0
+    gate.observe_round(4 * 3.0, 4)
+    assert not gate.plain_chosen
+    assert gate.switches == 2
+
+
+def test_hysteresis_keeps_the_current_side_on_a_near_draw():
+    gate = PlainRunGate("auto", run_tokens=10)
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=10.0)
+    gate.choose()
+    gate.observe_run(10 * 9.7, 10)  # 3% cheaper: not enough to switch
+    assert not gate.plain_chosen
+    assert gate.switches == 0
+
+
+def test_run_tokens_must_be_positive():
+    with pytest.raises(ValueError):
+        PlainRunGate("auto", run_tokens=0)
+
+
+def test_align_pieces_control_tokens_and_partial_tail():
+    from proxy.engine import align_pieces
+
+    assert align_pieces([b"Hel", b"lo"], "Hello") == [b"Hel", b"lo"]
+    # a control token in the middle and an EOG at the end render as nothing
+    assert align_pieces([b"a", b"<|im_start|>", b"b", b"<|im_end|>"], "ab") == [
+        b"a", b"", b"b", b"",
+    ]  # fmt: skip
+    # "é" split over two tokens, complete
+    assert align_pieces([b"x", b"\xc3", b"\xa9"], "xé") == [b"x", b"\xc3", b"\xa9"]
+    # the run ends inside a character: the server's text ends in U+FFFD
+    assert align_pieces([b"x", b"\xe1\xba"], "x\ufffd") == [b"x", b"\xe1\xba"]
+    # a token whose piece is the replacement character itself
+    assert align_pieces([b"\xef\xbf\xbd", b"y"], "\ufffdy") == [b"\xef\xbf\xbd", b"y"]
+
+
+def test_align_pieces_with_invalid_bytes_inside_the_text():
+    from proxy.engine import align_pieces
+
+    # a lone partial character followed by ASCII: the server writes U+FFFD in the middle
+    pieces = [b" ", b"\xe1\xba", b"_over", b"lap", b"<|im_end|>"]
+    assert align_pieces(pieces, " \ufffd_overlap") == [b" ", b"\xe1\xba", b"_over", b"lap", b""]
