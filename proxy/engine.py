@@ -371,11 +371,12 @@ class PieceCache:
         return cached
 
     async def run_pieces(self, tokens: Sequence[int], text: str) -> list[bytes]:
-        """What each token of a plain run added to the server's `text`; unknown
-        pieces are looked up concurrently."""
-        unknown = {t for t in tokens if t not in self._exact}
+        """What each token of a plain run added to the server's `text`; the pieces not
+        known yet are looked up in one request."""
+        unknown = sorted({t for t in tokens if t not in self._exact})
         if unknown:
-            await asyncio.gather(*(self.token_piece(t) for t in unknown))
+            pieces = await self._upstream.tokens_bytes(unknown)
+            self._exact.update(zip(unknown, pieces, strict=True))
         return align_pieces([self._exact[t] for t in tokens], text)
 
     async def piece(self, result: VerifyResult) -> bytes:
@@ -492,20 +493,20 @@ class Generation:
         ahead, self._ahead = self._ahead, None
         await asyncio.gather(ahead, return_exceptions=True)
 
-    def _plain_run_length(self, rounds: list[RoundRecord], greedy: bool, room: int) -> int:
-        """Tokens the server should decode alone next (0: a speculative round). Only
-        between greedy rounds: the first round prefills the slots."""
-        if self.plain_runs is None or not greedy or not rounds or self.drafter is None:
+    def _plain_run_length(self, rounds: list[RoundRecord], room: int) -> int:
+        """Tokens the server should decode alone next (0: a speculative round); never
+        in the first round, which prefills the slots."""
+        if self.plain_runs is None or not rounds or self.drafter is None:
             return 0
         return max(0, min(self.plain_runs.choose(), room))
 
     async def _plain_run(
-        self, state: ServerTextState, committed: list[int], n: int
+        self, state: ServerTextState, committed: list[int], n: int, seed: int = 0
     ) -> tuple[list[TokenEvent], RoundRecord, int]:
         """(events, record, tokens the server decoded) of one plain run."""
         await self._stop_ahead()  # its line would be stale after the run
         started = time.perf_counter()
-        run = await self.upstream.plain_run(committed, n)
+        run = await self.upstream.plain_run(committed, n, self.params.sampling, seed)
         run_ms = (time.perf_counter() - started) * 1e3
         pieces = await self.pieces.run_pieces(run.tokens, run.content)
         last = len(run.tokens) - 1
@@ -562,11 +563,12 @@ class Generation:
                 # of the batch must stay below the slot's context, and the round
                 # commits at most k+1 tokens.
                 room = state.remaining()
-                run_n = self._plain_run_length(rounds, sampling is None, room)
+                run_n = self._plain_run_length(rounds, room)
                 if run_n:
                     assert self.plain_runs is not None
                     pending_overlap = None
-                    events, record, n_decoded = await self._plain_run(state, committed, run_n)
+                    seed = 0 if sampling is None else int(seed_rng.integers(0, 0xFFFFFFFF))
+                    events, record, n_decoded = await self._plain_run(state, committed, run_n, seed)
                     for event in events:
                         yield event
                     if counters_before is not None:
@@ -581,15 +583,26 @@ class Generation:
                     after_run = True
                     continue
                 k = max(0, min(self.params.k, room - 1))
+                # While plain runs are the cheaper side, a new request starts with one
+                # slot and no copies: copying a long context costs more (14B f16 at 4k
+                # tokens: 0.67 GB a slot, ~1.3 s for six) than a later probe of
+                # speculation pays to catch up the few slots it uses.
+                plain_first = (
+                    not rounds
+                    and self.drafter is not None
+                    and self.plain_runs is not None
+                    and self.plain_runs.prefers_plain()
+                )
                 replicate = (
                     not rounds
+                    and not plain_first
                     and self.replicator is not None
                     and self.replicator.available
                     and len(self.prompt) >= self.replicator.min_prompt
                     and self.drafter is not None
                 )
-                if replicate:
-                    k = 0  # prefill one slot only; copies of it follow
+                if replicate or plain_first:
+                    k = 0  # prefill one slot only (copies of it follow where replicating)
                 if sampling is None:
                     drafted, dists, draft_ms = await self._draft(committed, k)
                     draft = drafted.tokens
@@ -676,7 +689,7 @@ class Generation:
                     n_reused=drafted.reused,
                 )
                 rounds.append(record)
-                steady = not record.first and not after_run and sampling is None
+                steady = not record.first and not after_run
                 if self.plain_runs is not None and steady:
                     self.plain_runs.observe_round(total_ms, n_committed)
                 after_run = False

@@ -5,8 +5,9 @@ Through the stock HTTP API a verify round costs about two plain decode steps on 
 at 4k tokens 25-54 ms against 9.9). With a drafter that is slow or often wrong, every
 round the proxy sends loses to llama-server's own decoding loop, so the proxy would be
 slower than the server it fronts. A *plain run* asks the server for `run_tokens`
-greedy tokens of the same context in one request (its own loop, one decode per token):
-lossless, since that is exactly what llama-server alone would write.
+tokens of the same context in one request (its own loop, one decode per token):
+lossless, since that is exactly what llama-server alone would write (greedy), or draw
+(sampling, with the request's chain).
 
 The gate compares two measured rates, pooled over recent samples:
 
@@ -59,7 +60,8 @@ class _Rate:
 
 
 class PlainRunGate:
-    """Before each greedy round: 0 to speculate, n > 0 for a plain run of n tokens."""
+    """Before each round: 0 to speculate, n > 0 for a plain run of n tokens. One gate
+    per kind of request (greedy, unseeded sampling): their rounds cost differently."""
 
     def __init__(self, mode: RunMode = "auto", run_tokens: int = 16) -> None:
         if run_tokens < 1:
@@ -90,6 +92,10 @@ class PlainRunGate:
         if self._spec_tokens_since_probe >= PROBE_PLAIN_AFTER:
             return self.run_tokens
         return 0
+
+    def prefers_plain(self) -> bool:
+        """Plain runs are the measured choice right now."""
+        return self.mode != "off" and self.plain_chosen
 
     def observe_round(self, round_ms: float, n_committed: int) -> None:
         """A steady speculative round (not a first round, not one catching up a run)."""

@@ -59,8 +59,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
             "choices": ["auto", "off"],
             "dest": "plain_runs",
             "help": "auto (default): while speculating costs more per token than letting "
-            "llama-server decode alone (both measured), greedy requests go on in plain runs; "
-            "off: always speculate",
+            "llama-server decode alone (both measured), requests go on in plain runs (seeded "
+            "sampling requests always speculate); off: always speculate",
         },
     ),
     (("--host",), {"help": "address to listen on (default 127.0.0.1)"}),

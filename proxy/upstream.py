@@ -299,10 +299,19 @@ class UpstreamClient:
 
     async def token_bytes(self, token: int) -> bytes:
         """Exact bytes of one token's piece (the server sends invalid UTF-8 as a byte list)."""
-        body = {"content": [int(token)], "with_pieces": True}
+        return (await self.tokens_bytes([token]))[0]
+
+    async def tokens_bytes(self, tokens: Sequence[int]) -> list[bytes]:
+        """Exact bytes of each token's piece, in one request."""
+        body = {"content": [int(t) for t in tokens], "with_pieces": True}
         payload = await self._request_json("POST", "/tokenize", body)
-        piece = payload["tokens"][0]["piece"]
-        return piece.encode("utf-8") if isinstance(piece, str) else bytes(piece)
+        entries = payload["tokens"]
+        if len(entries) != len(tokens):
+            raise UpstreamError(self.base_url, "/tokenize returned a piece count that differs")
+        return [
+            e["piece"].encode("utf-8") if isinstance(e["piece"], str) else bytes(e["piece"])
+            for e in entries
+        ]
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
         payload = await self._request_json("POST", "/detokenize", {"tokens": list(tokens)})
@@ -380,15 +389,22 @@ class UpstreamClient:
             )
         return out
 
-    async def plain_run(self, context: Sequence[int], n_predict: int) -> PlainRun:
-        """Up to `n_predict` greedy tokens after `context`, decoded by the server alone
-        (non-streamed: a streamed chunk carries no id for a token that ends inside a
-        UTF-8 character)."""
-        params = {
-            **GREEDY_VERIFY_PARAMS,
-            "n_predict": n_predict,
-            "response_fields": PLAIN_RUN_FIELDS,
-        }
+    async def plain_run(
+        self,
+        context: Sequence[int],
+        n_predict: int,
+        sampling: SamplingSpec | None = None,
+        seed: int = 0,
+    ) -> PlainRun:
+        """Up to `n_predict` tokens after `context`, decoded by the server alone: greedy,
+        or with `sampling` the request's own chain and `seed` (non-streamed: a streamed
+        chunk carries no id for a token that ends inside a UTF-8 character)."""
+        if sampling is None:
+            params = dict(GREEDY_VERIFY_PARAMS)
+        else:  # the verify chain without the distribution it reports back
+            params = sampling_verify_params(sampling, seed)
+            del params["n_probs"], params["post_sampling_probs"]
+        params.update(n_predict=n_predict, response_fields=PLAIN_RUN_FIELDS)
         body = RawJson(verify_body_text(self._contexts.text(list(context)), [], params))
         payload = await self._request_json(
             "POST", "/completion", body, timeout=self.timeouts.verify

@@ -37,7 +37,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.overlap_policy import OverlapPolicy
 from proxy.plain_runs import PlainRunGate
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
-from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
+from proxy.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count(1)
@@ -84,7 +84,11 @@ class ProxyState:
         self.slot_file_stem = f"{RESERVED_SLOT_PREFIX}{secrets.token_hex(8)}"
         self.draft_lengths = DraftLengthPolicy(self.k, self.adaptive_k)
         self.overlap_policy = OverlapPolicy(self.overlap)
-        self.plain_run_gate = PlainRunGate("off" if self.plain_runs == "off" else "auto")
+        # one gate per mode: a sampling round costs more (the server sends its
+        # distribution back), so the two are measured apart
+        runs_mode = "off" if self.plain_runs == "off" else "auto"
+        self.plain_run_gate = PlainRunGate(runs_mode)
+        self.sampled_run_gate = PlainRunGate(runs_mode)
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
 
@@ -231,6 +235,14 @@ async def metrics(request: web.Request) -> web.Response:
     return response
 
 
+def _run_gate(state: ProxyState, sampling: SamplingSpec | None) -> PlainRunGate | None:
+    """The plain-run gate for a request. A seeded sampling request always speculates:
+    its draws then depend on its seed alone, not on what the proxy measured before."""
+    if sampling is None:
+        return state.plain_run_gate
+    return None if sampling.seed is not None else state.sampled_run_gate
+
+
 def policy_metrics(state: ProxyState) -> str:
     """What the draft-length, overlap and plain-run policies measured and chose (gauges;
     a value not measured yet is left out)."""
@@ -254,6 +266,9 @@ def policy_metrics(state: ProxyState) -> str:
          runs["spec_ms_per_token"]),
         ("npu_spec_plain_run_ms_per_token", "Plain runs, ms per token",
          runs["plain_ms_per_token"]),
+        ("npu_spec_sampled_plain_runs_chosen",
+         "1 while plain runs are cheaper than speculating, sampling requests",
+         1.0 if state.sampled_run_gate.prefers_plain() else 0.0),
     ]  # fmt: skip
     lines: list[str] = []
     for name, help_text, value in rows:
@@ -423,7 +438,7 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             slot_file=f"{state.slot_file_stem}-g{group}.bin",  # one file per group
             policy=state.draft_lengths,
             overlap_policy=state.overlap_policy,
-            plain_runs=state.plain_run_gate,
+            plain_runs=_run_gate(state, params.sampling),
         )
         log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, len(tokens))
         if params.stream:

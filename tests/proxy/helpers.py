@@ -12,7 +12,8 @@ import aiohttp
 
 from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP, top2_gap
 from proxy.drafting import AsyncDrafter, GreedyDraft, StopRule
-from proxy.engine import RoundRecord
+from proxy.engine import Generation, GenerationParams, GenerationResult, PieceCache, RoundRecord
+from proxy.upstream import UpstreamClient
 
 
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict) -> dict:
@@ -270,3 +271,21 @@ def record_rounds(observer: Any) -> list[RoundRecord]:
 
     observer.observe_round = tee
     return records
+
+
+async def generate(
+    upstream: UpstreamClient,
+    prompt: list[int],
+    params: GenerationParams,
+    drafter: AsyncDrafter | None,
+    **options: Any,
+) -> tuple[list[int], GenerationResult]:
+    """Run the engine directly (no HTTP front): the tokens it yields and its result."""
+    props = await upstream.props()
+    generation = Generation(
+        upstream, prompt, params, n_ctx=props["default_generation_settings"]["n_ctx"],
+        drafter=drafter, pieces=PieceCache(upstream), **options,
+    )  # fmt: skip
+    tokens = [event.token async for event in generation.run()]
+    assert generation.result is not None
+    return tokens, generation.result

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.engine import Generation, GenerationParams, PieceCache
+from proxy.engine import GenerationParams, SlotReplicator
 from proxy.plain_runs import PlainRunGate
 from proxy.upstream import UpstreamClient
 from tests.proxy.conftest import run_proxy
-from tests.proxy.helpers import assert_greedy_equal, post_json, tokenize
+from tests.proxy.helpers import assert_greedy_equal, generate, post_json, tokenize
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -32,20 +32,10 @@ async def test_plain_runs_are_the_servers_own_greedy_tokens(
         {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "return_tokens": True},
     )
     async with UpstreamClient(spec_server) as upstream:
-        props = await upstream.props()
-        generation = Generation(
-            upstream,
-            prompt,
-            GenerationParams(n_predict=n_predict, k=3),
-            n_ctx=props["default_generation_settings"]["n_ctx"],
-            drafter=reference_drafter(),
-            pieces=PieceCache(upstream),
-            check_decodes=True,
-            plain_runs=AlwaysRun("auto", run_tokens=5),
-        )
-        tokens = [event.token async for event in generation.run()]
-    result = generation.result
-    assert result is not None
+        tokens, result = await generate(
+            upstream, prompt, GenerationParams(n_predict=n_predict, k=3), reference_drafter(),
+            check_decodes=True, plain_runs=AlwaysRun("auto", run_tokens=5),
+        )  # fmt: skip
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     assert len(tokens) == n_predict
     first, runs = result.rounds[0], result.rounds[1:]
@@ -83,3 +73,76 @@ async def test_gate_picks_plain_runs_when_drafts_are_never_accepted(
         assert status == 200, got
         assert proxy.state.metrics.plain_runs == 0
         assert proxy.state.metrics.rounds >= 90  # ~one token per round
+
+
+class CountingReplicator(SlotReplicator):
+    def __init__(self, upstream: UpstreamClient) -> None:
+        super().__init__(upstream)
+        self.calls = 0
+
+    async def replicate(self, id_slot: int, copies: int, filename: str) -> int:
+        self.calls += 1
+        return await super().replicate(id_slot, copies, filename)
+
+
+@pytest.mark.parametrize("plain_preferred", [True, False])
+async def test_no_slot_copies_for_a_request_that_starts_in_plain_runs(
+    spec_server, reference_drafter, http, ref_server, plain_preferred
+):
+    # long enough for the first round to copy its slot, and new to the server's slots
+    text = ("The lighthouse keeper wrote " if plain_preferred else "A quiet river runs ") * 24
+    prompt = await tokenize(http, ref_server, text)
+    expected = await post_json(
+        http,
+        ref_server + "/completion",
+        {"prompt": prompt, "n_predict": 20, "temperature": 0, "return_tokens": True},
+    )
+    async with UpstreamClient(spec_server) as upstream:
+        replicator = CountingReplicator(upstream)
+        assert len(prompt) >= replicator.min_prompt
+        gate = AlwaysRun("auto", run_tokens=8)
+        gate.plain_chosen = plain_preferred  # as if earlier requests had measured it
+        tokens, result = await generate(
+            upstream, prompt, GenerationParams(n_predict=20, k=3), reference_drafter(),
+            replicator=replicator, plain_runs=gate,
+        )  # fmt: skip
+    await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
+    first = result.rounds[0]
+    assert first.n_drafted == 0 and first.n_committed == 1  # one slot prefilled
+    assert all(r.plain_run for r in result.rounds[1:])
+    assert replicator.calls == (0 if plain_preferred else 1)
+
+
+async def test_sampling_plain_run_is_the_servers_own_draw_with_the_request_chain(spec_server, http):
+    from npu_draft.protocol import SamplingParams
+    from proxy.upstream import SAMPLING_CHAIN, SamplingSpec
+
+    chain = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02)
+    spec = SamplingSpec(chain=chain, min_keep=0, seed=None)
+    prompt = await tokenize(http, spec_server, "Once upon a time")
+    async with UpstreamClient(spec_server) as upstream:
+        run = await upstream.plain_run(prompt, 12, spec, seed=1234)
+    # llama-server alone, asked directly with the same chain and seed
+    direct = await post_json(
+        http,
+        spec_server + "/completion",
+        {"prompt": prompt, "n_predict": 12, "return_tokens": True, "seed": 1234,
+         "temperature": 0.9, "top_k": 20, "top_p": 0.95, "min_p": 0.02,
+         "samplers": SAMPLING_CHAIN},
+    )  # fmt: skip
+    assert run.tokens == direct["tokens"] and len(run.tokens) == 12
+
+
+async def test_unseeded_sampling_switches_to_plain_runs_seeded_never_does(spec_server, drafter_for):
+    body = {"prompt": "Once upon a time", "n_predict": 80, "temperature": 0.8, "top_k": 10,
+            "top_p": 1.0, "min_p": 0.0, "return_tokens": True}  # fmt: skip
+    async with run_proxy(spec_server, drafter_for("reference:unrelated"), 3) as proxy:
+        status, got, _ = await proxy.post("/completion", {**body, "seed": 5})
+        assert status == 200, got
+        assert proxy.state.metrics.plain_runs == 0  # seeded: reproducible, always speculates
+        status, got, _ = await proxy.post("/completion", body)
+        assert status == 200, got
+        assert len(got["tokens"]) == 80
+        assert proxy.state.metrics.plain_runs > 0
+        assert proxy.state.sampled_run_gate.prefers_plain()
+        assert not proxy.state.plain_run_gate.prefers_plain()  # greedy measured apart
