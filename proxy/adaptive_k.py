@@ -14,6 +14,16 @@ quantised draft can be far too sure or too shy). All terms are running averages 
 measured rounds; until a few rounds exist, every position up to k_max is drafted.
 Position 1 is always drafted: a round without drafts is a plain step that still
 pays the HTTP round trip.
+
+Verification is not always linear in the draft length. On Vulkan (H200, 32B q8_0) a
+batch of up to 8 tokens takes the matrix-vector path and a larger one costs ~3x more,
+so the k+1-slot round jumps between k = 2 and k = 3. The policy therefore keeps the
+mean verify time of each draft length it has seen and charges position i the measured
+difference between lengths i and i-1 (the fitted slope where either is not measured
+yet), and it looks ahead: a costly position is still drafted when the expected tokens
+of the following positions, with the draft's per-token probability so far, repay it.
+With linear costs the look-ahead changes nothing (each later position gains less and
+costs the same).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import numpy as np
 _ALPHA = 0.2  # weight of the newest round in the running averages
 _PRIOR_VERIFY_SLOPE_MS = 1.0  # per extra draft; H200 14B: 1.5 at 512 tokens, 3 at 4k
 _MIN_ROUNDS = 3  # rounds observed before the rule starts cutting drafts
+_MIN_LENGTH_SAMPLES = 3  # rounds of one draft length before its mean verify time counts
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -59,6 +70,7 @@ class DraftLengthPolicy:
         self.tokens_per_round: float | None = None
         self.draft_ms_per_token: float | None = None
         self._verify: deque[tuple[int, float]] = deque(maxlen=64)
+        self._by_length: dict[int, tuple[float, int]] = {}  # n -> (mean verify ms, rounds)
 
     def worth(self, position: int, cumulative_p: float) -> bool:
         """Draft position `position` (1-based), whose drafts so far have joint p?"""
@@ -67,10 +79,30 @@ class DraftLengthPolicy:
         if not self.adaptive or position == 1 or self.rounds < _MIN_ROUNDS:
             return True
         assert self.round_ms is not None and self.tokens_per_round is not None
-        gain_ms = min(1.0, self.calibration * cumulative_p) * (
-            self.round_ms / max(self.tokens_per_round, 1.0)
-        )
-        return gain_ms >= (self.draft_ms_per_token or 0.0) + self.verify_slope_ms()
+        token_ms = self.round_ms / max(self.tokens_per_round, 1.0)
+        p = min(1.0, self.calibration * cumulative_p)
+        per_token = cumulative_p ** (1.0 / position)  # the draft's p per position so far
+        draft_ms = self.draft_ms_per_token or 0.0
+        gain = cost = 0.0
+        for m in range(position, self.k_max + 1):  # draft on up to m: does it repay?
+            gain += p * per_token ** (m - position) * token_ms
+            cost += draft_ms + self.verify_ms_for_draft(m)
+            if gain >= cost:
+                return True
+        return False
+
+    def verify_ms_for_draft(self, position: int) -> float:
+        """What drafting position `position` adds to the verify round: the measured
+        difference between the mean rounds of `position` and `position - 1` drafts,
+        else the fitted slope."""
+        longer = self._by_length.get(position)
+        shorter = self._by_length.get(position - 1)
+        if (
+            longer is not None and shorter is not None
+            and min(longer[1], shorter[1]) >= _MIN_LENGTH_SAMPLES
+        ):  # fmt: skip
+            return max(longer[0] - shorter[0], 0.0)
+        return self.verify_slope_ms()
 
     def verify_slope_ms(self) -> float:
         """Extra verify time per extra draft: least squares over recent rounds when
@@ -95,6 +127,8 @@ class DraftLengthPolicy:
         self.tokens_per_round = _ema(self.tokens_per_round, costs.n_committed)
         self.draft_ms_per_token = _ema(self.draft_ms_per_token, costs.draft_ms / n)
         self._verify.append((n, costs.verify_ms))
+        mean, count = self._by_length.get(n, (costs.verify_ms, 0))
+        self._by_length[n] = (mean + (costs.verify_ms - mean) / min(count + 1, 16), count + 1)
         self.rounds += 1
 
     def snapshot(self) -> dict[str, float | int | None]:

@@ -231,3 +231,41 @@ def test_overlap_policy_fixed_modes():
     assert not any(OverlapPolicy("off").choose() for _ in range(20))
     with pytest.raises(ValueError):
         OverlapPolicy("sometimes")
+
+
+def learned_policy(verify_ms: dict[int, float]) -> DraftLengthPolicy:
+    """A policy that has seen rounds of every length 1..6, each with these verify
+    costs, a draft that is calibrated (accepted = its own expectation) and 2 ms a
+    token, on a slow target (a round ~170 ms, as on an integrated GPU)."""
+    policy = DraftLengthPolicy(6)
+    for n in (1, 2, 3, 4, 5, 6) * 4:
+        expected = sum(0.9**i for i in range(1, n + 1))
+        policy.observe(
+            RoundCosts([0.9] * n, round(expected), round(expected) + 1, 2.0 * n,
+                       verify_ms[n], 170.0)
+        )  # fmt: skip
+    return policy
+
+
+STEP = {1: 95.0, 2: 100.0, 3: 160.0, 4: 163.0, 5: 166.0, 6: 170.0}  # batch > 8 tokens
+LINEAR = {n: 95.0 + 15.0 * (n - 1) for n in range(1, 7)}  # same ends, no step
+
+
+def test_policy_charges_each_length_what_it_measured():
+    step, linear = learned_policy(STEP), learned_policy(LINEAR)
+    assert [step.verify_ms_for_draft(m) for m in range(2, 7)] == pytest.approx(
+        [5.0, 60.0, 3.0, 3.0, 4.0]
+    )
+    assert [linear.verify_ms_for_draft(m) for m in range(2, 7)] == pytest.approx([15.0] * 5)
+    # a fair draft stops before the step that a linear cost model would walk into
+    assert drafted_length(step, 0.8) == 2
+    assert drafted_length(linear, 0.8) > 2
+    # a near-certain draft repays the step with the cheap positions after it (look-ahead)
+    assert drafted_length(step, 0.97) == 6
+
+
+def test_policy_without_per_length_samples_uses_the_slope():
+    policy = DraftLengthPolicy(8)
+    for k in (2, 4, 6, 8) * 2:  # two rounds of each length: not enough to trust a mean
+        policy.observe(RoundCosts([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
+    assert policy.verify_ms_for_draft(4) == pytest.approx(policy.verify_slope_ms())
