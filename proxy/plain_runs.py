@@ -20,7 +20,9 @@ The gate compares two measured rates, pooled over recent samples:
 It starts speculating, measures one plain run after a few rounds, then keeps the
 cheaper side (switching needs a `HYSTERESIS` lead) and re-measures the other side now
 and then, so a drafter that becomes worth it (another prompt, a warmer cache) wins
-back. One gate is shared by the requests of one proxy, like the draft-length policy.
+back. Re-measuring speculation is the dear direction (the slots it uses must catch up
+on the runs' tokens), so its interval doubles each time plain runs are confirmed.
+One gate is shared by the requests of one proxy, like the draft-length policy.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ RunMode = Literal["auto", "off"]
 
 MIN_SPEC_ROUNDS = 6  # speculative rounds measured before the first plain run
 HYSTERESIS = 0.05  # the other side must be this much cheaper per token to switch
-PROBE_SPEC_AFTER = 256  # plain-run tokens between re-measurements of speculation
+PROBE_SPEC_AFTER = 256  # plain-run tokens before speculation is first re-measured
+PROBE_SPEC_AFTER_MAX = 4096  # the interval doubles while re-measurements confirm plain
 PROBE_SPEC_ROUNDS = 4  # rounds of speculation each re-measurement runs
 PROBE_PLAIN_AFTER = 512  # committed speculative tokens between re-measured plain runs
 
@@ -72,6 +75,9 @@ class PlainRunGate:
         self._plain = _Rate(4)
         self.plain_chosen = False
         self._spec_probe_left = 0  # speculative rounds a re-measurement still has to see
+        # A re-measurement costs more than its rounds: the slots it uses catch up on
+        # every token the runs wrote. Each one that confirms plain runs doubles the wait.
+        self._probe_spec_after = PROBE_SPEC_AFTER
         self._plain_tokens_since_probe = 0
         self._spec_tokens_since_probe = 0
         self.switches = 0
@@ -82,7 +88,7 @@ class PlainRunGate:
         if self._plain.ms_per_token is None:  # first measurement of plain runs
             return self.run_tokens if len(self._spec) >= MIN_SPEC_ROUNDS else 0
         if self.plain_chosen:
-            if self._plain_tokens_since_probe >= PROBE_SPEC_AFTER:
+            if self._plain_tokens_since_probe >= self._probe_spec_after:
                 # re-measure speculation afresh: its old rounds may be long stale
                 self._plain_tokens_since_probe = 0
                 self._spec.clear()
@@ -105,6 +111,10 @@ class PlainRunGate:
             self._spec_probe_left -= 1
             if self._spec_probe_left > 0:
                 return  # judge the re-measurement once it is complete
+            self._decide()
+            if self.plain_chosen:
+                self._probe_spec_after = min(2 * self._probe_spec_after, PROBE_SPEC_AFTER_MAX)
+            return
         self._decide()
 
     def observe_run(self, run_ms: float, n_tokens: int) -> None:
@@ -124,6 +134,7 @@ class PlainRunGate:
         if switch:
             self.plain_chosen = not self.plain_chosen
             self.switches += 1
+            self._probe_spec_after = PROBE_SPEC_AFTER
 
     def snapshot(self) -> dict[str, float | int | bool | None]:
         return {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from proxy.plain_runs import (
@@ -106,3 +108,28 @@ def test_align_pieces_with_invalid_bytes_inside_the_text():
     # a lone partial character followed by ASCII: the server writes U+FFFD in the middle
     pieces = [b" ", b"\xe1\xba", b"_over", b"lap", b"<|im_end|>"]
     assert align_pieces(pieces, " \ufffd_overlap") == [b" ", b"\xe1\xba", b"_over", b"lap", b""]
+
+
+def test_re_measurements_that_confirm_plain_runs_come_less_and_less_often():
+    from proxy.plain_runs import PROBE_SPEC_AFTER_MAX
+
+    gate = PlainRunGate("auto", run_tokens=16)
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
+    gate.choose()
+    gate.observe_run(160.0, 16)
+    gaps = []
+    for _ in range(7):
+        runs = 0
+        while gate.choose() == 16:
+            gate.observe_run(160.0, 16)
+            runs += 1
+        gaps.append(runs * 16)
+        for _ in range(PROBE_SPEC_ROUNDS):  # the re-measurement: still dearer
+            gate.observe_round(3 * 20.0, 3)
+            if gate._spec_probe_left:
+                assert gate.choose() == 0
+        assert gate.plain_chosen
+    assert gaps[0] >= PROBE_SPEC_AFTER - 16
+    for shorter, longer in itertools.pairwise(gaps):
+        assert longer >= min(2 * shorter, PROBE_SPEC_AFTER_MAX) - 16
+    assert max(gaps) <= PROBE_SPEC_AFTER_MAX
