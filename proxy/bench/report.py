@@ -6,7 +6,7 @@ from typing import Any
 
 COLUMNS = [
     ("ctx", 6), ("k", 2), ("mode", 22), ("tok/s [min-max]", 20), ("x plain", 7),
-    ("TTFT ms", 8), ("accept", 6), ("acc/rnd", 7), ("k/rnd", 5), ("a iid", 5),
+    ("TTFT ms", 8), ("plain run", 9), ("accept", 6), ("acc/rnd", 7), ("k/rnd", 5), ("a iid", 5),
     ("accept by position", 24),
     ("draft/verify/ovh ms", 20), ("dec/rnd", 7), ("pred turns|ovl", 15), ("meas/pred", 9),
     ("RSS MB srv+proxy", 16), ("GPU MB", 7), ("=plain", 7),
@@ -54,6 +54,7 @@ def _row(entry: dict[str, Any]) -> list[str]:
         speed,
         _f(entry.get("speedup_vs_plain"), 2),
         _f(s["ttft_ms_median"], 0),
+        "-" if s.get("plain_run_share") is None else f"{100 * s['plain_run_share']:.0f}%",
         _f(s.get("acceptance"), 2),
         _f(s.get("accepted_per_round"), 2),
         _f(s.get("drafted_per_round"), 2),
@@ -84,6 +85,8 @@ def render_table(result: dict[str, Any]) -> str:
         "=plain: runs equal to plain llama-server (exact ids where checked, else streamed "
         "ids and text); +N tie: differing runs whose first difference the server's top-2 "
         "logits show to be a near-tie (gap < 0.02); dec/rnd: llama_decode calls per round "
-        "(plain: per token); k/rnd: drafts per round (adaptive k chooses up to k).",
+        "(plain: per token); k/rnd: drafts per round (adaptive k chooses up to k); plain run: "
+        "share of the output llama-server decoded alone (the per-round columns and the cost "
+        "model describe the speculative rounds only, so no meas/pred is given with plain runs).",
     ]
     return "\n".join([*lines, "", *notes])

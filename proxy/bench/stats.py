@@ -137,6 +137,13 @@ def summarize(
         "accepted_per_round": _ratio(accepted, rounds) if kind != "plain" else None,
         "drafted_per_round": _ratio(drafted, rounds) if kind != "plain" else None,
         "tokens_per_round": _ratio(sum(r["n_generated"] for r in runs), rounds),
+        # share of the output the server decoded alone (proxy.plain_runs)
+        "plain_run_share": _ratio(
+            sum(r["stats"].get("plain_run_tokens", 0) for r in runs),
+            sum(r["n_generated"] for r in runs),
+        )
+        if kind in ("proxy", "oracle")
+        else None,
     }
     if kind != "plain":
         drafted_pos = _sum_lists(r["stats"].get("drafted_per_position", []) for r in runs)
@@ -168,7 +175,13 @@ def summarize(
         out["predicted"] = prediction.to_dict()
         # pooled over the same runs the prediction's inputs come from
         measured = out["tokens_per_s_pooled"]
-        out["measured_over_predicted"] = _ratio(measured or 0.0, prediction.tokens_per_s_turns)
+        # the model describes speculative rounds only: with plain runs in the output
+        # the measured speed is a mixture, so no ratio
+        out["measured_over_predicted"] = (
+            None
+            if out["plain_run_share"]
+            else _ratio(measured or 0.0, prediction.tokens_per_s_turns)
+        )
     out["memory"] = _peak_memory(memory)
     return out
 
