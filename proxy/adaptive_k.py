@@ -71,6 +71,7 @@ class DraftLengthPolicy:
         self.draft_ms_per_token: float | None = None
         self._verify: deque[tuple[int, float]] = deque(maxlen=64)
         self._by_length: dict[int, tuple[float, int]] = {}  # n -> (mean verify ms, rounds)
+        self._slope = _PRIOR_VERIFY_SLOPE_MS
 
     def worth(self, position: int, cumulative_p: float) -> bool:
         """Draft position `position` (1-based), whose drafts so far have joint p?"""
@@ -105,8 +106,13 @@ class DraftLengthPolicy:
         return self.verify_slope_ms()
 
     def verify_slope_ms(self) -> float:
-        """Extra verify time per extra draft: least squares over recent rounds when
-        their draft lengths vary enough, else a prior."""
+        """Extra verify time per extra draft (fitted once per observed round: the
+        drafter asks for it at every position)."""
+        return self._slope
+
+    def _fit_slope(self) -> float:
+        """Least squares over recent rounds when their draft lengths vary enough, else
+        a prior."""
         if len(self._verify) >= 8:
             ks = np.array([k for k, _ in self._verify], dtype=np.float64)
             ms = np.array([v for _, v in self._verify], dtype=np.float64)
@@ -127,6 +133,7 @@ class DraftLengthPolicy:
         self.tokens_per_round = _ema(self.tokens_per_round, costs.n_committed)
         self.draft_ms_per_token = _ema(self.draft_ms_per_token, costs.draft_ms / n)
         self._verify.append((n, costs.verify_ms))
+        self._slope = self._fit_slope()
         mean, count = self._by_length.get(n, (costs.verify_ms, 0))
         self._by_length[n] = (mean + (costs.verify_ms - mean) / min(count + 1, 16), count + 1)
         self.rounds += 1

@@ -587,19 +587,16 @@ class Generation:
                 # slot and no copies: copying a long context costs more (14B f16 at 4k
                 # tokens: 0.67 GB a slot, ~1.3 s for six) than a later probe of
                 # speculation pays to catch up the few slots it uses.
+                first_draft = not rounds and self.drafter is not None
                 plain_first = (
-                    not rounds
-                    and self.drafter is not None
-                    and self.plain_runs is not None
-                    and self.plain_runs.prefers_plain()
+                    first_draft and self.plain_runs is not None and self.plain_runs.prefers_plain()
                 )
                 replicate = (
-                    not rounds
+                    first_draft
                     and not plain_first
                     and self.replicator is not None
                     and self.replicator.available
                     and len(self.prompt) >= self.replicator.min_prompt
-                    and self.drafter is not None
                 )
                 if replicate or plain_first:
                     k = 0  # prefill one slot only (copies of it follow where replicating)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import logging
 import shlex
@@ -13,8 +12,6 @@ from pathlib import Path
 from proxy.bench.modes import MODE_KINDS
 
 log = logging.getLogger(__name__)
-
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def _int_list(text: str) -> list[int]:
@@ -185,7 +182,7 @@ def report(path: Path) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from proxy.bench.report import render_table
-    from proxy.bench.runner import run_bench, write_json
+    from proxy.bench.runner import default_result_path, run_bench, write_json
 
     if args.report is not None:
         return report(args.report)
@@ -200,8 +197,7 @@ def run(args: argparse.Namespace) -> int:
     if "proxy" in options.modes and options.drafter is None:
         log.error("the proxy mode needs --drafter (or --models)")
         return 2
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or RESULTS_DIR / f"bench-{stamp}.json"
+    out = args.out or default_result_path("bench")
     result = asyncio.run(run_bench(options, progress=out))
     write_json(result, out)
     print(render_table(result))

@@ -435,6 +435,15 @@ async def run_bench(options: BenchOptions, progress: Path | None = None) -> dict
     return await BenchSession(options).run(progress)
 
 
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def default_result_path(prefix: str) -> Path:
+    """benchmarks/results/PREFIX-<UTC time>.json"""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    return RESULTS_DIR / f"{prefix}-{stamp}.json"
+
+
 def write_json(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import json
 import logging
 import random
@@ -56,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.host import host_info
-from proxy.bench.runner import _jsonable, _now, write_json
+from proxy.bench.runner import _jsonable, _now, default_result_path, write_json
 from proxy.llama_server import find_llama_server
 from proxy.managed import ServerLayout, managed_server
 from proxy.upstream import (
@@ -70,7 +69,6 @@ from proxy.upstream import (
 log = logging.getLogger(__name__)
 
 SCHEMA = "npu-spec-verify-cost/1"
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 PARTS = ("a", "b", "c", "d", "e")
 DECODES = "llamacpp:n_decode_total"
 PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
@@ -643,8 +641,7 @@ def options_from_args(args: argparse.Namespace) -> VerifyCostOptions:
 
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or RESULTS_DIR / f"verify-cost-{stamp}.json"
+    out = args.out or default_result_path("verify-cost")
     result = asyncio.run(run_verify_cost(options, progress=out))
     write_json(result, out)
     print(render_table(result))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.engine import Generation, GenerationParams, PieceCache, SlotReplicator
+from proxy.engine import GenerationParams, SlotReplicator
 from proxy.upstream import UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import (
     RecordingDrafter,
     assert_greedy_equal,
     assert_rejections_are_near_ties,
+    generate,
     implied_rounds,
     parse_sse,
     post_json,
@@ -117,22 +118,16 @@ async def test_engine_one_decode_per_round(spec_server, reference_drafter, http,
     k = 6
     drafts: dict[int, list[int]] = {}
     async with UpstreamClient(spec_server) as upstream:
-        props = await upstream.props()
-        generation = Generation(
+        tokens, result = await generate(
             upstream,
             prompt,
             # Fixed draft length (the adaptive rule may cut drafts on measured timings
             # after three rounds): the rounds then follow from acceptance alone.
             GenerationParams(n_predict=30, k=k, adaptive=False),
-            n_ctx=props["default_generation_settings"]["n_ctx"],
-            drafter=RecordingDrafter(reference_drafter(), drafts),
-            pieces=PieceCache(upstream),
+            RecordingDrafter(reference_drafter(), drafts),
             check_decodes=True,
             strict_decodes=True,
         )
-        tokens = [event.token async for event in generation.run()]
-    result = generation.result
-    assert result is not None
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     assert [r.decodes for r in result.rounds] == [1] * len(result.rounds)
     # The same weights: every draft is accepted unless the target's top-2 are a proven
@@ -268,22 +263,17 @@ async def test_cold_start_copies_the_prefilled_slot(
         {"prompt": prompt, "n_predict": 16, "temperature": 0, "return_tokens": True},
     )
     async with UpstreamClient(spec_server) as upstream:
-        props = await upstream.props()
         replicator = SlotReplicator(upstream)
-        generation = Generation(
+        tokens, result = await generate(
             upstream,
             prompt,
             GenerationParams(n_predict=16, k=k),
-            n_ctx=props["default_generation_settings"]["n_ctx"],
-            drafter=reference_drafter(),
-            pieces=PieceCache(upstream),
+            reference_drafter(),
             check_decodes=True,
             strict_decodes=True,
             replicator=replicator,
             slot_file="npu-spec-test-cold-start.bin",
         )
-        tokens = [event.token async for event in generation.run()]
-    result = generation.result
     assert replicator.available
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     first, second = result.rounds[0], result.rounds[1]
