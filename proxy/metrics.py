@@ -123,7 +123,7 @@ class ProxyMetrics:
         )  # fmt: skip
         counter(
             "npu_spec_plain_runs_total",
-            "Plain runs: greedy tokens llama-server decoded alone because speculation cost more",
+            "Plain runs: stretches llama-server decoded alone because speculating cost more",
             self.plain_runs,
         )
         counter(
