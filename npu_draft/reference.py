@@ -25,6 +25,7 @@ from npu_draft.protocol import (
     SyncStats,
     common_prefix_length,
 )
+from npu_draft.sampling import runner_up
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,7 @@ class ReferenceDraftSession:
             token = int(np.argmax(logits))
             draft.tokens.append(token)
             draft.probs.append(float(_softmax(logits.astype(np.float64))[token]))
+            draft.alternatives.append(runner_up(logits, token))
             self._logits = self._model.forward([token], self._cache)[-1]
             self._tokens.append(token)
         return draft

@@ -31,6 +31,15 @@ def greedy_choice(logits: np.ndarray) -> tuple[int, float]:
     return token, float(1.0 / np.exp(shifted).sum())
 
 
+def runner_up(logits: np.ndarray, token: int) -> tuple[int, float]:
+    """The best token other than `token` and its plain softmax probability."""
+    masked = np.array(logits, dtype=np.float32, copy=True)
+    masked[token] = -np.inf
+    second = int(np.argmax(masked))
+    shifted = np.asarray(logits, dtype=np.float64) - float(logits[token])
+    return second, float(np.exp(shifted[second]) / np.exp(shifted).sum())
+
+
 def sampling_distribution(logits: np.ndarray, params: SamplingParams) -> SparseDist:
     """The distribution left after llama.cpp's top_k -> top_p -> min_p -> temperature."""
     logits = np.asarray(logits, dtype=np.float64)

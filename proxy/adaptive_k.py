@@ -54,6 +54,7 @@ class RoundCosts:
     draft_ms: float  # drafting the round waited for (not what overlapped)
     verify_ms: float
     round_ms: float
+    n_branch: int = 0  # extra prompts verifying a runner-up's line (proxy.drafting.Branch)
 
 
 class DraftLengthPolicy:
@@ -92,6 +93,28 @@ class DraftLengthPolicy:
                 return True
         return False
 
+    def branch_length(self, reach: float, probs: Sequence[float], n_drafted: int) -> int:
+        """How many prompts of a runner-up's line (tokens with the draft's p `probs`,
+        leaving the main line where the draft gives it the chance `reach`) to verify
+        beside `n_drafted` drafts: the longest prefix whose expected tokens repay the
+        verify time of its extra prompts and the drafting of its tokens after the first.
+        Fixed-k mode (and the first rounds) verify all of them."""
+        if not self.adaptive or self.rounds < _MIN_ROUNDS:
+            return len(probs)
+        assert self.round_ms is not None and self.tokens_per_round is not None
+        token_ms = self.round_ms / max(self.tokens_per_round, 1.0)
+        chance = min(1.0, self.calibration * reach)
+        keep = 0
+        gain = cost = 0.0
+        for i, prob in enumerate(probs):  # prompt i verifies the token after probs[:i+1]
+            chance *= prob
+            gain += chance * token_ms
+            cost += self.verify_ms_for_draft(n_drafted + i + 1)
+            cost += (self.draft_ms_per_token or 0.0) if i > 0 else 0.0
+            if gain >= cost:
+                keep = i + 1
+        return keep
+
     def verify_ms_for_draft(self, position: int) -> float:
         """What drafting position `position` adds to the verify round: the measured
         difference between the mean rounds of `position` and `position - 1` drafts,
@@ -122,8 +145,8 @@ class DraftLengthPolicy:
         return _PRIOR_VERIFY_SLOPE_MS
 
     def observe(self, costs: RoundCosts) -> None:
-        n = len(costs.probs)
-        if n == 0:
+        n = len(costs.probs) + costs.n_branch  # prompts - 1: what the verify time follows
+        if not costs.probs:
             return
         expected = float(np.cumprod(np.asarray(costs.probs, dtype=np.float64)).sum())
         self._accepted = _ema(self._accepted, costs.n_accepted)
@@ -131,7 +154,8 @@ class DraftLengthPolicy:
         self.calibration = min(max((self._accepted + 0.1) / (self._expected + 0.1), 0.05), 4.0)
         self.round_ms = _ema(self.round_ms, costs.round_ms)
         self.tokens_per_round = _ema(self.tokens_per_round, costs.n_committed)
-        self.draft_ms_per_token = _ema(self.draft_ms_per_token, costs.draft_ms / n)
+        drafted = len(costs.probs) + max(costs.n_branch - 1, 0)  # a runner-up costs nothing
+        self.draft_ms_per_token = _ema(self.draft_ms_per_token, costs.draft_ms / drafted)
         self._verify.append((n, costs.verify_ms))
         self._slope = self._fit_slope()
         mean, count = self._by_length.get(n, (costs.verify_ms, 0))

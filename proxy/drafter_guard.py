@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from npu_draft.protocol import CancelToken
-from proxy.drafting import AsyncDrafter, GreedyDraft, StopRule
+from proxy.drafting import AsyncDrafter, Branch, GreedyDraft, StopRule
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,21 @@ class GuardedDrafter:
             return GreedyDraft(tokens=await self.propose(committed, k_max))
         return await self._bounded(inner(committed, k_max, worth), k_max, lambda d: d.tokens)
 
-    async def extend(self, n_max: int, cancel: CancelToken) -> int:
+    async def extend(self, n_max: int, cancel: CancelToken, predraft: bool = False) -> int:
         """Drafting ahead; its tokens are checked when a later `draft` hands them out."""
         inner = getattr(self._inner, "extend", None)
         if inner is None:
             return 0
-        return await self._bounded(inner(n_max, cancel), n_max, lambda _made: [])
+        return await self._bounded(inner(n_max, cancel, predraft), n_max, lambda _made: [])
+
+    async def branch(self, n_positions: int, n_tokens: int) -> Branch | None:
+        """A runner-up's line to verify beside the draft (None where the drafter has none)."""
+        inner = getattr(self._inner, "branch", None)
+        if inner is None:
+            return None
+        return await self._bounded(
+            inner(n_positions, n_tokens), n_tokens, lambda b: [] if b is None else b.tokens
+        )
 
     async def propose_sampled(
         self, committed: Sequence[int], k: int, sampling: Any, rng: Any

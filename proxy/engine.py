@@ -26,12 +26,13 @@ from proxy.acceptance import (
     RngChooser,
     SampledAcceptance,
     Verdict,
+    branch_accept,
     greedy_accept,
     normalized,
     speculative_sample,
 )
 from proxy.adaptive_k import DraftLengthPolicy, RoundCosts
-from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, GreedyDraft
+from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, Branch, GreedyDraft
 from proxy.overlap_policy import OverlapPolicy
 from proxy.plain_runs import PlainRunGate
 from proxy.upstream import (
@@ -187,6 +188,8 @@ class GenerationParams:
     sampling: SamplingSpec | None = None  # None: greedy
     adaptive: bool = True  # greedy: choose each round's length (proxy.adaptive_k)
     overlap: bool = True  # greedy: may draft while the server verifies (OverlapPolicy decides)
+    predraft: bool = False  # greedy: drafting ahead also follows the likeliest runner-up
+    branch_prompts: int = 0  # greedy: most prompts a round may spend on a runner-up's line
 
 
 @dataclass
@@ -205,6 +208,8 @@ class RoundRecord:
     n_matched: int | None = None
     n_reused: int = 0  # drafts that were ready from drafting ahead
     plain_run: bool = False  # the server decoded n_committed tokens alone (proxy.plain_runs)
+    n_branch: int = 0  # extra prompts that verified a runner-up's line
+    n_via_branch: int = 0  # tokens committed through that line
 
 
 @dataclass
@@ -455,6 +460,29 @@ class Generation:
         draft.tokens, draft.probs = draft.tokens[:k], draft.probs[:k]
         return draft, dists, (time.perf_counter() - started) * 1e3
 
+    async def _branch(self, drafted: GreedyDraft, k: int) -> tuple[Branch | None, float]:
+        """(the runner-up line to verify beside the draft, or None; ms spent on it).
+
+        It uses the round's spare slots (k+1 prompts in all) and is kept only as long
+        as the draft-length policy says its prompts repay their verify cost."""
+        room = min(self.params.branch_prompts, k - len(drafted.tokens))
+        branch_fn = getattr(self.drafter, "branch", None)
+        if room <= 0 or branch_fn is None or not any(drafted.alternatives):
+            return None, 0.0
+        started = time.perf_counter()
+        try:
+            branch = await branch_fn(len(drafted.tokens) + 1, room)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            await _close_quietly(self._drop_drafter())
+            return None, (time.perf_counter() - started) * 1e3
+        if branch is not None:
+            keep = self.policy.branch_length(branch.reach, branch.probs, len(drafted.tokens))
+            branch.tokens, branch.probs = branch.tokens[:keep], branch.probs[:keep]
+            branch = branch if branch.tokens else None
+        return branch, (time.perf_counter() - started) * 1e3
+
     def _drop_drafter(self) -> AsyncDrafter | None:
         """Lossless either way: without a draft every round is plain decoding."""
         log.exception("[%s] drafter failed; plain decoding for this request", self.request_id)
@@ -475,7 +503,7 @@ class Generation:
 
         async def run() -> None:
             try:
-                await extend(self.params.k + 1, cancel)
+                await extend(self.params.k + 1, cancel, self.params.predraft)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -583,6 +611,12 @@ class Generation:
                     after_run = True
                     continue
                 k = max(0, min(self.params.k, room - 1))
+                if not self.params.adaptive and sampling is None and self.params.branch_prompts:
+                    # fixed k: every round verifies k+1 prompts, branch_prompts of them
+                    # on the runner-up's line where the draft has one
+                    k_main = max(1, k - self.params.branch_prompts)
+                else:
+                    k_main = k
                 # While plain runs are the cheaper side, a new request starts with one
                 # slot and no copies: copying a long context costs more (14B f16 at 4k
                 # tokens: 0.67 GB a slot, ~1.3 s for six) than a later probe of
@@ -600,9 +634,13 @@ class Generation:
                 )
                 if replicate or plain_first:
                     k = 0  # prefill one slot only (copies of it follow where replicating)
+                branch: Branch | None = None
                 if sampling is None:
-                    drafted, dists, draft_ms = await self._draft(committed, k)
+                    drafted, dists, draft_ms = await self._draft(committed, min(k, k_main))
                     draft = drafted.tokens
+                    if draft and self.params.branch_prompts and self.drafter is not None:
+                        branch, branch_ms = await self._branch(drafted, k)
+                        draft_ms += branch_ms
                     verify_start = time.perf_counter()
                     if pending_overlap is not None:  # the last round's choice, judged
                         self.overlap_policy.observe(
@@ -610,7 +648,11 @@ class Generation:
                         )
                         pending_overlap = None
                     chose_ahead = self._start_ahead() if draft else None
-                    results = await self.upstream.verify(committed, draft)
+                    results = await self.upstream.verify(
+                        committed,
+                        draft,
+                        branch=None if branch is None else (branch.position, branch.tokens),
+                    )
                 else:
                     drafted, dists, draft_ms = await self._draft(
                         committed, k, sampling.chain, draft_rng
@@ -625,7 +667,21 @@ class Generation:
                 if first_round_end is None:
                     n_cached = results[0].cached
                 acceptance: Acceptance
-                if sampling is None:
+                if branch is not None:
+                    main_results, branch_results = (
+                        results[: len(draft) + 1],
+                        results[len(draft) + 1 :],
+                    )
+                    acceptance = branch_accept(
+                        draft,
+                        [r.token for r in main_results],
+                        branch.position,
+                        branch.tokens,
+                        [r.token for r in branch_results],
+                    )
+                    if acceptance.via_branch:  # the results behind each committed token
+                        results = main_results[: branch.position + 1] + branch_results
+                elif sampling is None:
                     acceptance = greedy_accept(draft, [r.token for r in results])
                 else:
                     verdicts = [verdict_of(r) for r in results]
@@ -684,6 +740,8 @@ class Generation:
                     if isinstance(acceptance, SampledAcceptance)
                     else None,
                     n_reused=drafted.reused,
+                    n_branch=0 if branch is None else len(branch.tokens),
+                    n_via_branch=acceptance.via_branch,
                 )
                 rounds.append(record)
                 steady = not record.first and not after_run
@@ -699,6 +757,7 @@ class Generation:
                             draft_ms=draft_ms,
                             verify_ms=verify_ms,
                             round_ms=total_ms,
+                            n_branch=record.n_branch,
                         )
                     )
                 if self.observer is not None:

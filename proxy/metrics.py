@@ -60,6 +60,8 @@ class ProxyMetrics:
         self.decode_check_failures = 0
         self.plain_runs = 0  # proxy.plain_runs: requests the server decoded alone
         self.plain_run_tokens = 0
+        self.branch_prompts = 0  # prompts that verified a runner-up's line
+        self.branch_tokens = 0  # tokens committed through such a line
         self.draft_ms = Histogram(MS_BUCKETS)
         self.verify_ms = Histogram(MS_BUCKETS)
         self.overhead_ms = Histogram(MS_BUCKETS)
@@ -74,6 +76,8 @@ class ProxyMetrics:
         self.draft_tokens += record.n_drafted
         self.accepted_tokens += record.n_accepted
         self.reused_tokens += record.n_reused
+        self.branch_prompts += record.n_branch
+        self.branch_tokens += record.n_via_branch
         for position in range(record.n_drafted):
             self.drafted_per_position[position] += 1
             if position < record.n_accepted:
@@ -120,6 +124,15 @@ class ProxyMetrics:
         counter(
             "npu_spec_generated_tokens_total", "Tokens generated on the speculative path",
             self.generated_tokens,
+        )  # fmt: skip
+        counter(
+            "npu_spec_branch_prompts_total",
+            "Extra verify prompts spent on a second continuation from the draft's runner-up",
+            self.branch_prompts,
+        )
+        counter(
+            "npu_spec_branch_tokens_total", "Tokens committed through such a continuation",
+            self.branch_tokens,
         )  # fmt: skip
         counter(
             "npu_spec_plain_runs_total",

@@ -54,6 +54,26 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         {"action": "store_const", "const": "off", "dest": "overlap", "help": "--overlap off"},
     ),
     (
+        ("--predraft",),
+        {
+            "choices": ["on", "off"],
+            "dest": "predraft",
+            "help": "on: while the server verifies, also draft after the draft's likeliest "
+            "runner-up, so a round whose correction (or bonus) is that token starts with its "
+            "draft ready; off (default)",
+        },
+    ),
+    (
+        ("--branch-prompts",),
+        {
+            "type": int,
+            "dest": "branch_prompts",
+            "help": "most extra prompts per round that verify a second continuation starting "
+            "at the draft's runner-up, used where the measured costs say it pays (default 0: "
+            "off); they share the round's k+1 slots",
+        },
+    ),
+    (
         ("--plain-runs",),
         {
             "choices": ["auto", "off"],
@@ -271,6 +291,8 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
             adaptive_k=settings.adaptive_k,
             overlap=settings.overlap,
             plain_runs=settings.plain_runs,
+            predraft=settings.predraft,
+            branch_prompts=settings.branch_prompts,
             check_decodes=settings.check_decodes,
             strict_decodes=settings.strict_decodes,
             when_busy=settings.when_busy,

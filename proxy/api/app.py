@@ -59,6 +59,8 @@ class ProxyState:
     adaptive_k: bool = True
     overlap: str = "auto"  # auto | on | off (proxy.overlap_policy)
     plain_runs: str = "auto"  # auto | off (proxy.plain_runs)
+    predraft: bool = False  # draft after the likeliest runner-up during verification
+    branch_prompts: int = 0  # most prompts per round verifying a runner-up's line
 
     # reliability and security
     guard: GuardSettings = field(default_factory=GuardSettings)
@@ -139,6 +141,8 @@ async def build_state(
     adaptive_k: bool = True,
     overlap: str = "auto",
     plain_runs: str = "auto",
+    predraft: bool = False,
+    branch_prompts: int = 0,
     **reliability: Any,
 ) -> ProxyState:
     """Read the server's facts (props, settings template) and assemble the state.
@@ -172,6 +176,8 @@ async def build_state(
         adaptive_k=adaptive_k,
         overlap=overlap,
         plain_runs=plain_runs,
+        predraft=predraft,
+        branch_prompts=branch_prompts,
         **reliability,
     )
 
@@ -426,6 +432,8 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
                 sampling=params.sampling,
                 adaptive=state.adaptive_k,
                 overlap=state.overlap != "off",
+                predraft=state.predraft,
+                branch_prompts=state.branch_prompts,
             ),
             n_ctx=state.n_ctx,
             drafter=await state.drafters.open(),
