@@ -61,7 +61,9 @@ def branch_accept(
         return main
     rest = greedy_accept(branch[1:], branch_target)
     tokens = [*draft[:position], branch[0], *rest.tokens]
-    return Acceptance(main.n_accepted, tokens, len(draft), len(tokens) - len(main.tokens))
+    return Acceptance(
+        main.n_accepted, tokens, len(draft), via_branch=len(tokens) - len(main.tokens)
+    )
 
 
 def accepted_per_position(n_accepted: int, n_drafted: int) -> list[bool]:
@@ -200,7 +202,7 @@ def speculative_sample(
         n_matched += 1
 
     def done(n_accepted: int, tokens: list[int]) -> SampledAcceptance:
-        return SampledAcceptance(n_accepted, tokens, k, n_matched)
+        return SampledAcceptance(n_accepted, tokens, k, n_matched=n_matched)
 
     tokens: list[int] = []
     for i, verdict in enumerate(verdicts):

@@ -24,6 +24,11 @@ yet), and it looks ahead: a costly position is still drafted when the expected t
 of the following positions, with the draft's per-token probability so far, repay it.
 With linear costs the look-ahead changes nothing (each later position gains less and
 costs the same).
+
+Branch prompts (a runner-up's line verified beside the draft, proxy.drafting.Branch)
+are judged the same way: prompt i gains a token with the draft's chance of reaching the
+runner-up times its line's p so far, and costs the measured verify step to one more
+prompt (plus one drafted token after the first).
 """
 
 from __future__ import annotations

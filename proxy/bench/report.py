@@ -7,7 +7,7 @@ from typing import Any
 COLUMNS = [
     ("ctx", 6), ("k", 2), ("mode", 22), ("tok/s [min-max]", 20), ("x plain", 7),
     ("TTFT ms", 8), ("plain run", 9), ("accept", 6), ("acc/rnd", 7), ("k/rnd", 5), ("a iid", 5),
-    ("accept by position", 24),
+    ("accept by position", 24), ("branch p/t", 10),
     ("draft/verify/ovh ms", 20), ("dec/rnd", 7), ("pred turns|ovl", 15), ("meas/pred", 9),
     ("RSS MB srv+proxy", 16), ("GPU MB", 7), ("=plain", 7),
 ]  # fmt: skip
@@ -60,6 +60,9 @@ def _row(entry: dict[str, Any]) -> list[str]:
         _f(s.get("drafted_per_round"), 2),
         _f(s.get("acceptance_iid"), 2),
         positions or "-",
+        f"{_f(s.get('branch_prompts_per_round'), 2)}/{_f(s.get('branch_tokens_per_round'), 2)}"
+        if s.get("branch_prompts_per_round")
+        else "-",
         split,
         _f(s.get("decodes_per_round"), 2),
         pred,
@@ -87,6 +90,8 @@ def render_table(result: dict[str, Any]) -> str:
         "logits show to be a near-tie (gap < 0.02); dec/rnd: llama_decode calls per round "
         "(plain: per token); k/rnd: drafts per round (adaptive k chooses up to k); plain run: "
         "share of the output llama-server decoded alone (the per-round columns and the cost "
-        "model describe the speculative rounds only, so no meas/pred is given with plain runs).",
+        "model describe the speculative rounds only, so no meas/pred is given with plain runs); "
+        "branch p/t: prompts per round verifying a runner-up's line / tokens per round it "
+        "committed.",
     ]
     return "\n".join([*lines, "", *notes])
