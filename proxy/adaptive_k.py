@@ -26,8 +26,12 @@ With linear costs the look-ahead changes nothing (each later position gains less
 costs the same).
 
 Branch prompts (a runner-up's line verified beside the draft, proxy.drafting.Branch)
-are judged the same way: prompt i gains a token with the draft's chance of reaching the
-runner-up times its line's p so far, and costs the measured verify step to one more
+are judged the same way, from measured rates only: a runner-up's own p says little
+(a random-weight or quantised draft spreads its probability thin even where its
+second choice is usually right). With a the measured acceptance per draft and h the
+measured share of rejections whose target token was the draft's runner-up there, a
+branch at position j gains its first token with chance a^j (1 - a) h and each later
+one with a further factor a; prompt i costs the measured verify step to one more
 prompt (plus one drafted token after the first).
 """
 
@@ -43,6 +47,8 @@ _ALPHA = 0.2  # weight of the newest round in the running averages
 _PRIOR_VERIFY_SLOPE_MS = 1.0  # per extra draft; H200 14B: 1.5 at 512 tokens, 3 at 4k
 _MIN_ROUNDS = 3  # rounds observed before the rule starts cutting drafts
 _MIN_LENGTH_SAMPLES = 3  # rounds of one draft length before its mean verify time counts
+_RUNNER_UP_ALPHA = 0.05  # weight of the newest rejection in the runner-up hit rate
+_PRIOR_RUNNER_UP_HITS = 0.3  # before any rejection had a runner-up to compare
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -78,6 +84,8 @@ class DraftLengthPolicy:
         self._verify: deque[tuple[int, float]] = deque(maxlen=64)
         self._by_length: dict[int, tuple[float, int]] = {}  # n -> (mean verify ms, rounds)
         self._slope = _PRIOR_VERIFY_SLOPE_MS
+        self.acceptance: float | None = None  # accepted / drafted, running
+        self.runner_up_hits: float | None = None  # rejections the runner-up would have saved
 
     def worth(self, position: int, cumulative_p: float) -> bool:
         """Draft position `position` (1-based), whose drafts so far have joint p?"""
@@ -98,27 +106,34 @@ class DraftLengthPolicy:
                 return True
         return False
 
-    def branch_length(self, reach: float, probs: Sequence[float], n_drafted: int) -> int:
-        """How many prompts of a runner-up's line (tokens with the draft's p `probs`,
-        leaving the main line where the draft gives it the chance `reach`) to verify
-        beside `n_drafted` drafts: the longest prefix whose expected tokens repay the
-        verify time of its extra prompts and the drafting of its tokens after the first.
-        Fixed-k mode (and the first rounds) verify all of them."""
+    def branch_length(self, position: int, n_tokens: int, n_drafted: int) -> int:
+        """How many prompts of a runner-up's line leaving the draft at `position`
+        (0-based; len(draft) for the bonus) to verify beside `n_drafted` drafts: the
+        longest prefix whose expected tokens repay the verify time of its extra prompts
+        and the drafting of its tokens after the first. Fixed-k mode (and the first
+        rounds) verify all of them."""
         if not self.adaptive or self.rounds < _MIN_ROUNDS:
-            return len(probs)
+            return n_tokens
         assert self.round_ms is not None and self.tokens_per_round is not None
         token_ms = self.round_ms / max(self.tokens_per_round, 1.0)
-        chance = min(1.0, self.calibration * reach)
+        a = self.acceptance if self.acceptance is not None else 0.5
+        hits = self.runner_up_hits if self.runner_up_hits is not None else _PRIOR_RUNNER_UP_HITS
+        chance = a**position * (1.0 - a) * hits
         keep = 0
         gain = cost = 0.0
-        for i, prob in enumerate(probs):  # prompt i verifies the token after probs[:i+1]
-            chance *= prob
-            gain += chance * token_ms
+        for i in range(n_tokens):  # prompt i verifies the token after branch[:i+1]
+            gain += chance * a**i * token_ms
             cost += self.verify_ms_for_draft(n_drafted + i + 1)
             cost += (self.draft_ms_per_token or 0.0) if i > 0 else 0.0
-            if gain >= cost:
+            if gain > cost:
                 keep = i + 1
         return keep
+
+    def observe_runner_up(self, hit: bool) -> None:
+        """A rejected draft that had a runner-up: was it the target's token?"""
+        value = 1.0 if hit else 0.0
+        old = self.runner_up_hits
+        self.runner_up_hits = value if old is None else old + _RUNNER_UP_ALPHA * (value - old)
 
     def verify_ms_for_draft(self, position: int) -> float:
         """What drafting position `position` adds to the verify round: the measured
@@ -155,6 +170,7 @@ class DraftLengthPolicy:
             return
         expected = float(np.cumprod(np.asarray(costs.probs, dtype=np.float64)).sum())
         self._accepted = _ema(self._accepted, costs.n_accepted)
+        self.acceptance = _ema(self.acceptance, costs.n_accepted / len(costs.probs))
         self._expected = _ema(self._expected, expected)
         self.calibration = min(max((self._accepted + 0.1) / (self._expected + 0.1), 0.05), 4.0)
         self.round_ms = _ema(self.round_ms, costs.round_ms)
@@ -175,4 +191,5 @@ class DraftLengthPolicy:
             "tokens_per_round": self.tokens_per_round,
             "draft_ms_per_token": self.draft_ms_per_token,
             "verify_ms_per_draft": self.verify_slope_ms(),
+            "runner_up_hits": self.runner_up_hits,
         }

@@ -478,7 +478,9 @@ class Generation:
             await _close_quietly(self._drop_drafter())
             return None, (time.perf_counter() - started) * 1e3
         if branch is not None:
-            keep = self.policy.branch_length(branch.reach, branch.probs, len(drafted.tokens))
+            keep = self.policy.branch_length(
+                branch.position, len(branch.tokens), len(drafted.tokens)
+            )
             branch.tokens, branch.probs = branch.tokens[:keep], branch.probs[:keep]
             branch = branch if branch.tokens else None
         return branch, (time.perf_counter() - started) * 1e3
@@ -582,7 +584,9 @@ class Generation:
         # the last round's (drafted ahead?, drafts, verify ms), judged after the next draft
         pending_overlap: tuple[bool, int, float] | None = None
         chose_ahead: bool | None = None
-        after_run = False  # the next round's other slots catch up on a plain run
+        # the next round's other slots catch up: on a plain run's tokens, or on the whole
+        # prompt where the first round prefilled one slot only and copied none
+        after_run = False
         try:
             while not state.finished:
                 round_start = time.perf_counter()
@@ -686,6 +690,12 @@ class Generation:
                 else:
                     verdicts = [verdict_of(r) for r in results]
                     acceptance = speculative_sample(draft, dists, verdicts, chooser)
+                rejected = acceptance.n_accepted
+                alternatives = drafted.alternatives if sampling is None else []
+                if rejected < min(len(draft), len(alternatives)) and alternatives[rejected]:
+                    runner_up = alternatives[rejected]
+                    assert runner_up is not None
+                    self.policy.observe_runner_up(results[rejected].token == runner_up[0])
                 n_committed = 0
                 for position, token in enumerate(acceptance.tokens):
                     result = results[position]
@@ -747,8 +757,11 @@ class Generation:
                 steady = not record.first and not after_run
                 if self.plain_runs is not None and steady:
                     self.plain_runs.observe_round(total_ms, n_committed)
-                after_run = False
-                if not record.first and drafted.probs:
+                elif self.plain_runs is not None and after_run:
+                    self.plain_runs.observe_catch_up(total_ms, n_committed)
+                after_run = plain_first
+                # a catch-up round's verify time says nothing about the draft length
+                if steady and drafted.probs:
                     self.policy.observe(
                         RoundCosts(
                             probs=drafted.probs,

@@ -20,9 +20,14 @@ The gate compares two measured rates, pooled over recent samples:
 It starts speculating, measures one plain run after a few rounds, then keeps the
 cheaper side (switching needs a `HYSTERESIS` lead) and re-measures the other side now
 and then, so a drafter that becomes worth it (another prompt, a warmer cache) wins
-back. Re-measuring speculation is the dear direction (the slots it uses must catch up
-on the runs' tokens), so its interval doubles each time plain runs are confirmed.
-One gate is shared by the requests of one proxy, like the draft-length policy.
+back. Re-measuring speculation is the dear direction: the slots it uses must catch up
+on the runs' tokens (or, in a new request, prefill its whole prompt: at 4k tokens on
+a 14B f16 target that first round alone took over a second on the H200). So each
+re-measurement that confirms plain runs doubles the wait for the next, and the wait
+is at least long enough that what the last one lost (its rounds' time beyond what
+plain runs would have taken for the same tokens) stays under `PROBE_BUDGET` of the
+plain time in between. One gate is shared by the requests of one proxy, like the
+draft-length policy.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ MIN_SPEC_ROUNDS = 6  # speculative rounds measured before the first plain run
 HYSTERESIS = 0.05  # the other side must be this much cheaper per token to switch
 PROBE_SPEC_AFTER = 256  # plain-run tokens before speculation is first re-measured
 PROBE_SPEC_AFTER_MAX = 4096  # the interval doubles while re-measurements confirm plain
+PROBE_BUDGET = 0.05  # a re-measurement may cost this share of the plain time until the next
+PROBE_SPEC_AFTER_CAP = 65536  # the longest wait, however dear a re-measurement was
 PROBE_SPEC_ROUNDS = 4  # rounds of speculation each re-measurement runs
 PROBE_PLAIN_AFTER = 512  # committed speculative tokens between re-measured plain runs
 
@@ -80,6 +87,7 @@ class PlainRunGate:
         self._probe_spec_after = PROBE_SPEC_AFTER
         self._plain_tokens_since_probe = 0
         self._spec_tokens_since_probe = 0
+        self._probe_loss_ms = 0.0  # what the current re-measurement cost beyond plain runs
         self.switches = 0
 
     def choose(self) -> int:
@@ -93,6 +101,7 @@ class PlainRunGate:
                 self._plain_tokens_since_probe = 0
                 self._spec.clear()
                 self._spec_probe_left = PROBE_SPEC_ROUNDS
+                self._probe_loss_ms = 0.0
                 return 0
             return self.run_tokens
         if self._spec_tokens_since_probe >= PROBE_PLAIN_AFTER:
@@ -108,14 +117,35 @@ class PlainRunGate:
         self._spec.add(round_ms, n_committed)
         self._spec_tokens_since_probe += n_committed
         if self._spec_probe_left > 0:
+            self._count_probe_loss(round_ms, n_committed)
             self._spec_probe_left -= 1
             if self._spec_probe_left > 0:
                 return  # judge the re-measurement once it is complete
             self._decide()
             if self.plain_chosen:
-                self._probe_spec_after = min(2 * self._probe_spec_after, PROBE_SPEC_AFTER_MAX)
+                self._probe_spec_after = self._next_probe_wait()
             return
         self._decide()
+
+    def observe_catch_up(self, round_ms: float, n_committed: int) -> None:
+        """The first speculative round after plain runs: the slots catch up on the runs'
+        tokens. Not a speculation speed; part of what a re-measurement costs."""
+        if self._spec_probe_left > 0:
+            self._count_probe_loss(round_ms, n_committed)
+
+    def _count_probe_loss(self, round_ms: float, n_committed: int) -> None:
+        plain = self._plain.ms_per_token
+        if plain is not None:
+            self._probe_loss_ms += max(0.0, round_ms - n_committed * plain)
+
+    def _next_probe_wait(self) -> int:
+        """Plain-run tokens until the next re-measurement of speculation."""
+        doubled = min(2 * self._probe_spec_after, PROBE_SPEC_AFTER_MAX)
+        plain = self._plain.ms_per_token
+        if not plain:
+            return doubled
+        affordable = int(self._probe_loss_ms / (PROBE_BUDGET * plain))
+        return min(max(doubled, affordable), PROBE_SPEC_AFTER_CAP)
 
     def observe_run(self, run_ms: float, n_tokens: int) -> None:
         self._plain.add(run_ms, n_tokens)
@@ -142,4 +172,5 @@ class PlainRunGate:
             "spec_ms_per_token": self._spec.ms_per_token,
             "plain_ms_per_token": self._plain.ms_per_token,
             "switches": self.switches,
+            "probe_spec_after": self._probe_spec_after,
         }

@@ -69,6 +69,11 @@ RUN_FIELDS = (
 )  # fmt: skip
 ROUND_COUNTER = "npu_spec_rounds_total"  # the proxy's rounds, see proxy.metrics
 WARMUP_TEXT = "Warm-up: count from one to ten."
+# Long enough for the batch shapes of many rounds. With an 8-token warm-up the first
+# runs of a fresh Vulkan build were erratic (H200, 14B, 512 tokens: builtin drafting at
+# 31-38 tok/s, against 111-120 at 4k later in the same run), most likely the backend
+# building a pipeline on the first use of each batch shape.
+WARMUP_TOKENS = 32
 
 
 @dataclass
@@ -260,7 +265,7 @@ class BenchSession:
             await verify_server.erase_slots(session)
         await instance.start()
         try:
-            await stream_completion(session, instance.base_url, self._warmup, 8)
+            await stream_completion(session, instance.base_url, self._warmup, WARMUP_TOKENS)
             for prompt in trial.prompts:
                 done = await stream_completion(
                     session, instance.base_url, prompt.tokens, o.n_predict, instance.metrics_url,

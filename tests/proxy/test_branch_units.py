@@ -202,11 +202,23 @@ def _policy(verify_per_prompt_ms: float) -> DraftLengthPolicy:
 
 
 def test_branch_length_keeps_what_repays_its_prompts():
-    # ~13 ms a token; a runner-up line reached with 0.4 x 0.5 = 0.2 gains ~2.7 ms a prompt
-    assert _policy(0.5).branch_length(0.4, [0.5, 0.9, 0.9], 2) >= 1
-    assert _policy(6.0).branch_length(0.4, [0.5, 0.9, 0.9], 2) == 0
+    # every draft accepted so far: a = 1 leaves no rejection for a branch to save
+    assert _policy(0.0).branch_length(0, 3, 2) == 0
+    policy = _policy(0.5)
+    policy.acceptance = 0.6
+    for _ in range(40):
+        policy.observe_runner_up(True)
+    # ~13 ms a token; at position 0 the first prompt gains 0.4 x ~0.9 of it (~4.7 ms)
+    assert policy.branch_length(0, 3, 2) >= 1
+    assert policy.branch_length(6, 3, 2) == 0  # reached with 0.6^6 only
+    for _ in range(80):
+        policy.observe_runner_up(False)  # the runner-up is rarely the target's token
+    assert policy.runner_up_hits < 0.05 and policy.branch_length(0, 3, 2) == 0
+    dear = _policy(6.0)
+    dear.acceptance, dear.runner_up_hits = 0.6, 0.9
+    assert dear.branch_length(0, 3, 2) == 0
     fixed = DraftLengthPolicy(6, adaptive=False)
-    assert fixed.branch_length(0.01, [0.01, 0.01], 3) == 2  # fixed k: verify them all
+    assert fixed.branch_length(0, 2, 3) == 2  # fixed k: verify them all
 
 
 def test_branch_prompts_count_as_verified_length():

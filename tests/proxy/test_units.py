@@ -126,13 +126,18 @@ class FakeUpstream:
     def _next(self, sequence: list[int], n_prompt: int) -> int:
         return self.script[len(sequence) - n_prompt]
 
-    async def verify(self, context, draft):
+    async def verify(self, context, draft, branch=None):
         self.calls.append((len(context), list(draft)))
         self.decodes += 1
         n_prompt = 2
+        prompts = [list(context) + list(draft[:i]) for i in range(len(draft) + 1)]
+        if branch is not None:
+            position, tokens = branch
+            stem = list(context) + list(draft[:position])
+            prompts += [stem + list(tokens[: i + 1]) for i in range(len(tokens))]
         results = []
-        for i in range(len(draft) + 1):
-            token = self._next(list(context) + list(draft[:i]), n_prompt)
+        for prompt in prompts:
+            token = self._next(prompt, n_prompt)
             results.append(VerifyResult(token, f"<{token}>", token in self.eog, 0, id_slot=0))
         return results
 

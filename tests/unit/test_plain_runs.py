@@ -133,3 +133,31 @@ def test_re_measurements_that_confirm_plain_runs_come_less_and_less_often():
     for shorter, longer in itertools.pairwise(gaps):
         assert longer >= min(2 * shorter, PROBE_SPEC_AFTER_MAX) - 16
     assert max(gaps) <= PROBE_SPEC_AFTER_MAX
+
+
+def test_a_dear_re_measurement_waits_until_its_cost_is_a_small_share():
+    """A catch-up round of 1.5 s (6 slots prefilling 4k tokens each) is paid back by
+    plain time: the next re-measurement waits until it is PROBE_BUDGET of it."""
+    from proxy.plain_runs import PROBE_BUDGET, PROBE_SPEC_AFTER_CAP
+
+    gate = PlainRunGate("auto", run_tokens=16)
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
+    gate.choose()
+    gate.observe_run(160.0, 16)  # plain: 10 ms a token
+    while gate.choose() == 16:
+        gate.observe_run(160.0, 16)
+    gate.observe_catch_up(1500.0, 2)  # the slots catch up on the runs' tokens
+    for _ in range(PROBE_SPEC_ROUNDS):
+        gate.observe_round(40.0, 2)  # 20 ms a token: plain runs stay
+    assert gate.plain_chosen
+    lost = (1500.0 - 2 * 10.0) + PROBE_SPEC_ROUNDS * (40.0 - 2 * 10.0)
+    runs = 0
+    while gate.choose() == 16:
+        gate.observe_run(160.0, 16)
+        runs += 1
+    assert runs * 16 >= lost / (PROBE_BUDGET * 10.0) - 16
+    assert gate.snapshot()["probe_spec_after"] <= PROBE_SPEC_AFTER_CAP
+    # a catch-up outside a re-measurement (speculation chosen) costs nothing extra
+    quiet = PlainRunGate("auto")
+    quiet.observe_catch_up(5000.0, 1)
+    assert quiet._probe_loss_ms == 0.0
