@@ -717,7 +717,7 @@ class Generation:
                 if replicate and not state.finished and self.replicator.worth_copying(fresh):
                     assert self.replicator is not None
                     await self.replicator.replicate(
-                        results[0].id_slot, self.params.k, self.slot_file
+                        results[0].id_slot, self.policy.slots_to_copy(), self.slot_file
                     )
                 if first_round_end is None:
                     first_round_end = time.perf_counter()

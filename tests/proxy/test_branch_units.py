@@ -227,3 +227,12 @@ def test_branch_prompts_count_as_verified_length():
         policy.observe(RoundCosts([0.9], 1, 2, 2.0, 30.0, 40.0, n_branch=2))
     assert policy.snapshot()["rounds"] == 4
     assert policy._by_length[3][1] == 4  # one draft + two branch prompts = 3 beyond ctx
+
+
+def test_slots_to_copy_follow_the_rounds():
+    policy = DraftLengthPolicy(6)
+    assert policy.slots_to_copy() == 6  # nothing measured: every slot a round may use
+    for _ in range(8):
+        policy.observe(RoundCosts([0.9], 1, 2, 2.0, 20.0, 30.0))
+    assert policy.slots_to_copy() == 2  # rounds of 2 prompts: their slots, plus one
+    assert DraftLengthPolicy(6, adaptive=False).slots_to_copy() == 6
