@@ -469,6 +469,11 @@ class Generation:
         branch_fn = getattr(self.drafter, "branch", None)
         if room <= 0 or branch_fn is None or not any(drafted.alternatives):
             return None, 0.0
+        # Ask before drafting the branch's continuation (it costs a re-sync and a step
+        # of the drafter): position 0, the likeliest under the measured rates, bounds it.
+        room = self.policy.branch_length(0, room, len(drafted.tokens))
+        if room <= 0:
+            return None, 0.0
         started = time.perf_counter()
         try:
             branch = await branch_fn(len(drafted.tokens) + 1, room)
