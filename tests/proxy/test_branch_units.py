@@ -7,36 +7,29 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from npu_draft.protocol import GREEDY, CancelToken, Draft, SamplingParams, SyncStats
+from npu_draft.protocol import GREEDY, CancelToken, Draft, SamplingParams
 from proxy.acceptance import branch_accept, greedy_accept
 from proxy.adaptive_k import DraftLengthPolicy, RoundCosts
 from proxy.drafting import AsyncSessionDrafter, always
 from proxy.prompt_json import verify_body_text
+from tests.proxy.test_overlap_units import CountingSession, next_token
 
 
 def best(tokens: Sequence[int]) -> int:
-    return (tokens[-1] * 7 + len(tokens)) % 97
+    return next_token(tokens)
 
 
 def runner_up(tokens: Sequence[int]) -> int:
     return (best(tokens) + 1) % 97
 
 
-class RunnerUpSession:
-    """Greedy draft = a fixed function of the sequence, with a runner-up and fixed p."""
+class RunnerUpSession(CountingSession):
+    """CountingSession's greedy line, with a runner-up of fixed p at every position."""
 
     def __init__(self, prob: float = 0.6, alt_prob: float = 0.3) -> None:
-        self._tokens: list[int] = []
-        self.prob, self.alt_prob = prob, alt_prob
-        self.computed: list[list[int]] = []  # the sequence before each drafted token
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        return self._tokens
-
-    def sync(self, tokens: Sequence[int]) -> SyncStats:
-        self._tokens = list(tokens)
-        return SyncStats(reused=0, appended=len(tokens))
+        super().__init__(prob)
+        self.alt_prob = alt_prob
+        self.before: list[list[int]] = []  # the sequence before each drafted token
 
     def propose(
         self,
@@ -47,19 +40,12 @@ class RunnerUpSession:
     ) -> Draft:
         draft = Draft()
         for _ in range(k):
-            self.computed.append(list(self._tokens))
-            token = best(self._tokens)
-            draft.alternatives.append((runner_up(self._tokens), self.alt_prob))
-            self._tokens.append(token)
-            draft.tokens.append(token)
-            draft.probs.append(self.prob)
+            self.before.append(list(self.tokens))
+            draft.alternatives.append((runner_up(self.tokens), self.alt_prob))
+            step = super().propose(1)
+            draft.tokens += step.tokens
+            draft.probs += step.probs
         return draft
-
-    def next_logits(self) -> np.ndarray:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
 
 
 def line(start: Sequence[int], n: int) -> list[int]:
@@ -84,12 +70,12 @@ async def test_predrafting_follows_the_runner_up_once_it_is_the_likelier_line():
         # position 0 (0.3); that line then holds p 0.3, 0.18, ... against main's 0.216
         assert await drafter.extend(3, CancelToken(), predraft=True) == 3
         side_start = [*committed, runner_up(committed)]
-        assert session.computed[-2:] == [side_start, side_start + line(side_start, 1)]
+        assert session.before[-2:] == [side_start, side_start + line(side_start, 1)]
         # the server rejected draft 1 and chose the runner-up: its line is ready
-        n = len(session.computed)
+        n = len(session.before)
         second = await drafter.draft(side_start, 2, always)
         assert second.tokens == line(side_start, 2) and second.reused == 2
-        assert len(session.computed) == n  # nothing recomputed
+        assert len(session.before) == n  # nothing recomputed
         # drafting goes on from where the side line ended
         third = await drafter.draft(side_start, 3, always)
         assert third.tokens == line(side_start, 3) and third.reused == 2
@@ -105,7 +91,7 @@ async def test_without_predrafting_only_the_main_line_grows():
         first = await drafter.draft(committed, 2, always)
         await drafter.extend(3, CancelToken())
         main = committed + first.tokens
-        assert session.computed[-1] == main + line(main, 2)
+        assert session.before[-1] == main + line(main, 2)
         second = await drafter.draft([*committed, runner_up(committed)], 2, always)
         assert second.reused == 0
     finally:
@@ -133,13 +119,7 @@ async def test_branch_leaves_at_the_likeliest_runner_up_and_drafts_on():
 
 
 async def test_branch_is_none_without_runner_ups():
-    class NoAlternatives(RunnerUpSession):
-        def propose(self, k, sampling=GREEDY, rng=None, cancel=None) -> Draft:
-            draft = super().propose(k, sampling, rng, cancel)
-            draft.alternatives = []
-            return draft
-
-    drafter = AsyncSessionDrafter(NoAlternatives())
+    drafter = AsyncSessionDrafter(CountingSession())  # reports no alternatives
     try:
         first = await drafter.draft([1, 2], 2, always)
         assert first.alternatives == [None, None]
