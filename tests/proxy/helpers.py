@@ -241,13 +241,12 @@ class RunnerUpFirstSession:
 
     def propose(self, k: int, sampling: Any = None, rng: Any = None, cancel: Any = None) -> Any:
         from npu_draft.protocol import Draft
-        from npu_draft.sampling import greedy_choice, runner_up
+        from npu_draft.sampling import greedy_top2
 
         draft = Draft()
         for _ in range(k):
             logits = self._inner.next_logits()
-            best, best_p = greedy_choice(logits)
-            second, second_p = runner_up(logits, best)
+            best, best_p, (second, second_p) = greedy_top2(logits)
             draft.tokens.append(second)
             draft.probs.append(second_p)
             draft.alternatives.append((best, best_p))
