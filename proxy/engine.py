@@ -537,8 +537,9 @@ class Generation:
 
     async def _plain_run(
         self, state: ServerTextState, committed: list[int], n: int, seed: int = 0
-    ) -> tuple[list[TokenEvent], RoundRecord, int]:
-        """(events, record, tokens the server decoded) of one plain run."""
+    ) -> tuple[list[TokenEvent], RoundRecord, int, int]:
+        """(events, record, tokens the server decoded, the slot holding them) of one
+        plain run."""
         await self._stop_ahead()  # its line would be stale after the run
         started = time.perf_counter()
         run = await self.upstream.plain_run(committed, n, self.params.sampling, seed)
@@ -561,7 +562,16 @@ class Generation:
             overhead_ms=(time.perf_counter() - started) * 1e3 - run_ms,
             plain_run=True,
         )
-        return events, record, len(run.tokens)
+        return events, record, len(run.tokens), run.id_slot
+
+    async def _copy_context_slot(self, id_slot: int, lag: int) -> None:
+        """Before speculating after plain runs (or after a first round that prefilled
+        one slot): copies of that slot, where copying is on and the others lag by
+        enough tokens to be worth it."""
+        replicator = self.replicator
+        if replicator is None or not replicator.available or not replicator.worth_copying(lag):
+            return
+        await replicator.replicate(id_slot, self.policy.slots_to_copy(), self.slot_file)
 
     async def _counters(self) -> tuple[int, int]:
         """(llamacpp:n_decode_total, llamacpp:prompt_tokens_total) right now."""
@@ -592,6 +602,9 @@ class Generation:
         # the next round's other slots catch up: on a plain run's tokens, or on the whole
         # prompt where the first round prefilled one slot only and copied none
         after_run = False
+        # while the other slots lag: the one that holds the whole context, and by how
+        # many tokens the others lag at least (fresh prompt tokens, plain-run tokens)
+        context_slot, lag = -1, 0
         try:
             while not state.finished:
                 round_start = time.perf_counter()
@@ -605,7 +618,10 @@ class Generation:
                     assert self.plain_runs is not None
                     pending_overlap = None
                     seed = 0 if sampling is None else int(seed_rng.integers(0, 0xFFFFFFFF))
-                    events, record, n_decoded = await self._plain_run(state, committed, run_n, seed)
+                    events, record, n_decoded, context_slot = await self._plain_run(
+                        state, committed, run_n, seed
+                    )
+                    lag += n_decoded
                     for event in events:
                         yield event
                     if counters_before is not None:
@@ -619,6 +635,12 @@ class Generation:
                         self.observer.observe_round(record)
                     after_run = True
                     continue
+                if after_run and context_slot >= 0:
+                    # Speculation again after plain runs: copy the slot that holds the
+                    # context into the slots the rounds use, instead of letting each of
+                    # them prefill what it lags by inside the next verify batch.
+                    await self._copy_context_slot(context_slot, lag)
+                context_slot, lag = -1, 0
                 k = max(0, min(self.params.k, room - 1))
                 if not self.params.adaptive and sampling is None and self.params.branch_prompts:
                     # fixed k: every round verifies k+1 prompts, branch_prompts of them
@@ -726,6 +748,8 @@ class Generation:
                     )
                 if first_round_end is None:
                     first_round_end = time.perf_counter()
+                if plain_first:
+                    context_slot, lag = results[0].id_slot, len(self.prompt) - results[0].cached
                 decodes = prompt_tokens = None
                 if counters_before is not None:
                     counters_after = await self._counters()

@@ -122,11 +122,12 @@ class PlainRun:
     content: str  # the server's text of the run (control tokens render as nothing)
     stop_type: str  # "eos", "limit", ... as the server reports it
     cached: int = 0  # context tokens the slot reused from its cache
+    id_slot: int = -1  # the slot that now holds the context and the run's tokens
 
 
 # A plain run is the greedy verify request with more tokens: same sampler chain, so
 # its tokens are what llama-server alone writes at temperature 0.
-PLAIN_RUN_FIELDS = ["tokens", "content", "stop_type", "timings/cache_n"]
+PLAIN_RUN_FIELDS = ["tokens", "content", "stop_type", "timings/cache_n", "id_slot"]
 
 
 @dataclass(frozen=True)
@@ -421,6 +422,7 @@ class UpstreamClient:
             content=str(result.get("content", "")),
             stop_type=str(result.get("stop_type", "")),
             cached=int(result.get("timings/cache_n", 0)),
+            id_slot=int(result.get("id_slot", -1)),
         )
 
 

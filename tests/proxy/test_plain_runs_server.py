@@ -146,3 +146,45 @@ async def test_unseeded_sampling_switches_to_plain_runs_seeded_never_does(spec_s
         assert proxy.state.metrics.plain_runs > 0
         assert proxy.state.sampled_run_gate.prefers_plain()
         assert not proxy.state.plain_run_gate.prefers_plain()  # greedy measured apart
+
+
+class RunsThenSpeculate(PlainRunGate):
+    """Plain runs for the first `runs` choices, speculation after them."""
+
+    def __init__(self, runs: int, run_tokens: int) -> None:
+        super().__init__("auto", run_tokens=run_tokens)
+        self.runs_left = runs
+        self.plain_chosen = True  # as if earlier requests had measured it
+
+    def choose(self) -> int:
+        if self.runs_left > 0:
+            self.runs_left -= 1
+            return self.run_tokens
+        return 0
+
+
+async def test_speculating_after_plain_runs_copies_the_slot_that_holds_the_context(
+    spec_server, reference_drafter, http, ref_server
+):
+    """A request starts in plain runs (one slot), then speculates: the slot that holds
+    the context is copied first, so the round does not prefill the prompt in k slots."""
+    text = "The cartographer measured the coastline twice " * 20
+    prompt = await tokenize(http, ref_server, text)
+    expected = await post_json(
+        http,
+        ref_server + "/completion",
+        {"prompt": prompt, "n_predict": 40, "temperature": 0, "return_tokens": True},
+    )
+    async with UpstreamClient(spec_server) as upstream:
+        replicator = CountingReplicator(upstream)
+        tokens, result = await generate(
+            upstream, prompt, GenerationParams(n_predict=40, k=3), reference_drafter(),
+            replicator=replicator, plain_runs=RunsThenSpeculate(2, 8), check_decodes=True,
+        )  # fmt: skip
+    await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
+    first, runs, after = result.rounds[0], result.rounds[1:3], result.rounds[3]
+    assert first.n_drafted == 0 and all(r.plain_run for r in runs)
+    assert not after.plain_run and after.n_drafted > 0
+    assert replicator.calls == 1  # before the first speculative round, not at the start
+    assert after.decodes == 1
+    assert after.prompt_tokens < len(prompt) // 2, after  # the copies hold the context
