@@ -33,7 +33,7 @@ from npu_draft.protocol import (
     SyncStats,
     common_prefix_length,
 )
-from npu_draft.sampling import choose_token, greedy_top2
+from npu_draft.sampling import draft_next
 from npu_draft.tokenizer_check import DrafterManifest, drafter_facts
 
 log = logging.getLogger(__name__)
@@ -284,16 +284,7 @@ class OnnxDraftSession:
             if i > 0:  # the previous draft token enters the cache only when needed
                 self._run(self._pending)
                 self._pending = []
-            if sampling.greedy:  # the runner-up comes with the same softmax pass
-                token, prob, second = greedy_top2(self.next_logits())
-                draft.alternatives.append(second)
-                dist = None
-            else:
-                token, prob, dist = choose_token(self.next_logits(), sampling, rng)
-            draft.tokens.append(token)
-            draft.probs.append(prob)
-            if draft.dists is not None and dist is not None:
-                draft.dists.append(dist)
+            token = draft_next(draft, self.next_logits(), sampling, rng)
             self._pending = [token]
         return draft
 

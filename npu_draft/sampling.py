@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from npu_draft.protocol import SamplingParams, SparseDist
+from npu_draft.protocol import Draft, SamplingParams, SparseDist
 
 # top_p needs the candidates sorted by logit; sorting the whole 152k vocabulary
 # costs ~10 ms, so look at the best few thousand first and sort more only if the
@@ -103,3 +103,20 @@ def choose_token(
     generator = rng if rng is not None else np.random.default_rng()
     index = int(generator.choice(len(dist.ids), p=dist.probs))
     return int(dist.ids[index]), float(dist.probs[index]), dist
+
+
+def draft_next(
+    draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None
+) -> int:
+    """Choose the token after `logits` and append it to `draft` with its probability,
+    its distribution (sampling mode) or the runner-up (greedy: same softmax pass)."""
+    if params.greedy:
+        token, prob, second = greedy_top2(logits)
+        draft.alternatives.append(second)
+    else:
+        token, prob, dist = choose_token(logits, params, rng)
+        if draft.dists is not None and dist is not None:
+            draft.dists.append(dist)
+    draft.tokens.append(token)
+    draft.probs.append(prob)
+    return token
