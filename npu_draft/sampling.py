@@ -26,9 +26,8 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 def greedy_choice(logits: np.ndarray) -> tuple[int, float]:
     """The argmax token and its plain softmax probability (temperature 1)."""
-    token = int(np.argmax(logits))
-    shifted = np.asarray(logits, dtype=np.float64) - float(logits[token])
-    return token, float(1.0 / np.exp(shifted).sum())
+    token, prob, _ = greedy_top2(logits)
+    return token, prob
 
 
 def greedy_top2(logits: np.ndarray) -> tuple[int, float, tuple[int, float]]:

@@ -98,11 +98,13 @@ class _Line:
         """The draft's chance that the target follows the line to its end."""
         return math.prod(self.probs)
 
-    def side(self) -> _Line | None:
-        """The likeliest line that leaves this one at a runner-up, or None."""
+    def side(self, n_positions: int | None = None) -> _Line | None:
+        """The likeliest line that leaves this one at a runner-up (among its first
+        `n_positions` drafted tokens, all by default), or None."""
         best: tuple[float, int, int, float] | None = None
         reach = 1.0
-        for i, (prob, alt) in enumerate(zip(self.probs, self.alts, strict=True)):
+        positions = zip(self.probs[:n_positions], self.alts[:n_positions], strict=True)
+        for i, (prob, alt) in enumerate(positions):
             if alt is not None and (best is None or reach * alt[1] > best[0]):
                 best = (reach * alt[1], i, alt[0], alt[1])
             reach *= prob
@@ -218,10 +220,7 @@ class AsyncSessionDrafter:
 
         def work(session: DraftSession) -> Branch | None:
             lines = self._lines
-            main = lines.main
-            trimmed = _Line(main.seq[: main.start + n_positions], main.start)
-            trimmed.probs, trimmed.alts = main.probs[:n_positions], main.alts[:n_positions]
-            lines.side = trimmed.side()
+            lines.side = lines.main.side(n_positions)
             side = lines.side
             if side is None:
                 return None

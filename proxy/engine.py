@@ -717,12 +717,13 @@ class Generation:
                 else:
                     verdicts = [verdict_of(r) for r in results]
                     acceptance = speculative_sample(draft, dists, verdicts, chooser)
+                # measured for the branch rule: was the rejected draft's runner-up the
+                # target's token? (sampling drafts carry no runner-ups)
                 rejected = acceptance.n_accepted
-                alternatives = drafted.alternatives if sampling is None else []
-                if rejected < min(len(draft), len(alternatives)) and alternatives[rejected]:
-                    runner_up = alternatives[rejected]
-                    assert runner_up is not None
-                    self.policy.observe_runner_up(results[rejected].token == runner_up[0])
+                if rejected < min(len(draft), len(drafted.alternatives)):
+                    runner_up = drafted.alternatives[rejected]
+                    if runner_up is not None:
+                        self.policy.observe_runner_up(results[rejected].token == runner_up[0])
                 n_committed = 0
                 for position, token in enumerate(acceptance.tokens):
                     result = results[position]
