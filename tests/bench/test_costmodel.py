@@ -13,7 +13,8 @@ from proxy.bench.costmodel import (
     expected_tokens_per_round,
     predict,
 )
-from proxy.bench.prom import delta, parse_metrics, per_position
+from proxy.bench.prom import delta, per_position
+from proxy.upstream import parse_prometheus
 
 
 def test_expected_tokens_per_round_limits() -> None:
@@ -78,8 +79,8 @@ def test_prometheus_parsing_and_deltas() -> None:
         'npu_spec_draft_tokens_per_position_total{position="0"} 5\n'
         'npu_spec_draft_ms_bucket{le="+Inf"} 4\n'
     )
-    before = parse_metrics(text)
-    after = parse_metrics(text.replace(" 12\n", " 20\n"))
+    before = parse_prometheus(text)
+    after = parse_prometheus(text.replace(" 12\n", " 20\n"))
     assert delta(after, before)["llamacpp:n_decode_total"] == 8
     assert per_position(before, "npu_spec_draft_tokens_per_position_total") == [5, 3]
     assert per_position(before, "missing") == []
