@@ -78,7 +78,15 @@ def request_stats(
         steady = _proxy_counters(delta(after, first)) if first else out
         out["steady"] = {
             name: steady[name]
-            for name in ("rounds", "drafted", "draft_ms", "verify_ms", "overhead_ms", "decodes")
+            for name in (
+                "rounds",
+                "drafted",
+                "drafted_ahead",
+                "draft_ms",
+                "verify_ms",
+                "overhead_ms",
+                "decodes",
+            )
         }
         return out
     if kind in BUILTIN_KINDS:
@@ -196,6 +204,12 @@ def summarize(
         out["verify_ms_per_round"] = sum(s["verify_ms"] for s in steady) / steady_rounds
         out["overhead_ms_per_round"] = sum(s["overhead_ms"] for s in steady) / steady_rounds
         out["draft_ms_per_token"] = _ratio(sum(s["draft_ms"] for s in steady), steady_drafted)
+        # per token drafted while the round waited: drafts that were ready from drafting
+        # ahead cost the round (almost) nothing, so they would dilute the drafter's cost
+        out["draft_ms_per_fresh_token"] = _ratio(
+            sum(s["draft_ms"] for s in steady),
+            steady_drafted - sum(s.get("drafted_ahead", 0) for s in steady),
+        )
         out["decodes_per_round"] = sum(s["decodes"] for s in steady) / steady_rounds
     else:
         out["decodes_per_round"] = _ratio(sum(r["stats"]["decodes"] for r in runs), rounds)
@@ -240,14 +254,15 @@ def _draft_cost(
 ) -> tuple[float | None, float, str | None]:
     """(t_d, t_resync, why overlap is left out) of a row's drafter.
 
-    proxy: the proxy's /metrics, draft ms per drafted token in the steady rounds: what
-    the rounds waited for the drafter, its re-sync included (the proxy does not time
-    re-sync apart), so t_resync = 0. oracle: its delay per token, no re-sync cost.
+    proxy: the proxy's /metrics, in the steady rounds: the ms the rounds waited for the
+    drafter per token drafted while waiting (drafts ready from drafting ahead left
+    out), its re-sync included (the proxy does not time re-sync apart: t_resync = 0).
+    oracle: its delay per token, no re-sync cost.
     builtin: llama.cpp's draft() timer per drafted token; the draft model's pass over
     each verified batch is not timed by llama.cpp, so t_resync = 0 (a lower bound)."""
     if kind == "oracle":
         return float(params.get("delay_ms") or 0.0), 0.0, None
-    t_d = summary.get("draft_ms_per_token")
+    t_d = summary.get("draft_ms_per_fresh_token" if kind == "proxy" else "draft_ms_per_token")
     if kind in SPECULATIVE_KINDS or kind in BUILTIN_KINDS:
         if t_d is None:
             why = "no drafter timer in the server log" if kind in BUILTIN_KINDS else "no rounds"

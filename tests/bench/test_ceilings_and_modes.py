@@ -101,7 +101,9 @@ def test_summary_rows_carry_the_ceiling_keys() -> None:
         "steady": {"rounds": 20, "drafted": 80, "draft_ms": 200.0, "verify_ms": 400.0,
                    "overhead_ms": 20.0, "decodes": 20},
     }  # fmt: skip
+    proxy_stats = {**oracle_stats, "steady": {**oracle_stats["steady"], "drafted_ahead": 40}}
     runs = [
+        _run("proxy", "proxy", 4, proxy_stats),
         _run("plain", "plain", 0, {"rounds": 101, "drafted": 0, "accepted": 0, "decodes": 101}),
         _run("builtin", "builtin", 4, builtin_stats),
         _run("builtin-synth(a=0.8)", "builtin-synth", 4, builtin_stats, acceptance=0.8),
@@ -130,6 +132,10 @@ def test_summary_rows_carry_the_ceiling_keys() -> None:
     builtin = rows["builtin"]
     assert builtin["draft_ms_per_token"] == 2.0  # llama.cpp's timer: 160 ms / 80 tokens
     assert builtin["draft_shape"] == "qwen3-0.6b" and builtin["output_valid"]
+    proxy = rows["proxy"]  # 200 ms waited for the 80 - 40 drafts not ready from ahead
+    assert proxy["draft_ms_per_token"] == 5.0 and proxy["resync_ms"] == 0.0
+    assert proxy["overlap_tok_s"] == pytest.approx(overlap_ceiling(a, round_ms, 5.0).tokens_per_s)
+    assert proxy["draft_shape"] == "qwen3-0.6b"
     synth = rows["builtin-synth"]
     assert not synth["output_valid"] and synth["summary"]["n_compared"] == 0
     # without round costs: no ceilings, and the row says why
