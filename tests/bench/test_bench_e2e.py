@@ -15,8 +15,8 @@ import pytest
 
 from proxy import bench_cmd
 from proxy.bench.cli import options_from_args
-from proxy.bench.report import render_table
 from proxy.bench.modes import synth_rates
+from proxy.bench.report import render_table
 from proxy.bench.runner import RESULT_FIELDS, RUN_FIELDS, BenchOptions, run_bench, write_json
 from proxy.bench.stats import ROW_KEYS
 
