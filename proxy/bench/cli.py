@@ -24,6 +24,16 @@ def _variant(text: str) -> tuple[str, list[str]]:
     return variant.name, variant.args
 
 
+def _mode_k(text: str) -> tuple[str, list[int]]:
+    """'builtin=2,4,6' -> ('builtin', [2, 4, 6])."""
+    kind, sep, ks = text.partition("=")
+    kinds = comma_choices(kind, MODE_KINDS, "modes")
+    values = int_list(ks)
+    if not sep or len(kinds) != 1 or kinds[0] == "plain" or not values:
+        raise argparse.ArgumentTypeError(f"--mode-k {text!r}: write MODE=K[,K...], e.g. proxy=4")
+    return kinds[0], values
+
+
 def draft_shape_of(*folders: Path | None) -> str:
     """The draft's shape from the first models folder with a manifest.json that
     names one (`npu-spec make-models --draft-shape`); "core" when none does."""
@@ -57,6 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(benchmarking only: output not valid, not compared with plain)",
     )
     parser.add_argument("-k", type=int_list, default=[4], dest="ks", help="k sweep, e.g. 2,4,6,8")
+    parser.add_argument(
+        "--mode-k",
+        type=_mode_k,
+        action="append",
+        dest="mode_ks",
+        metavar="MODE=K[,K...]",
+        help="run MODE only at these k (repeatable), e.g. --mode-k proxy=4 --mode-k oracle=4 "
+        "with -k 2,4,6: builtin at 2, 4 and 6, proxy and oracle at 4 only",
+    )
     parser.add_argument(
         "--context",
         type=context_list,
@@ -188,6 +207,7 @@ def options_from_args(args: argparse.Namespace):
         oracle_acceptance=args.oracle_acceptance,
         oracle_delay_ms=args.oracle_delay_ms,
         oracle_delay_steps=args.oracle_delay_steps,
+        mode_ks=dict(args.mode_ks or []),
         ceiling_ks=args.ceiling_ks,
         ceiling_repeats=args.ceiling_repeats,
         draft_shape=draft_shape_of(

@@ -117,6 +117,8 @@ class BenchOptions:
     # replaces oracle_delay_ms when given
     oracle_delay_steps: list[float] | None = None
     oracle_seed: int = 0
+    # a mode kind listed here runs at these k instead of -k (the sweep: -k plus these)
+    mode_ks: dict[str, list[int]] = field(default_factory=dict)
     ceiling_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])  # t_v(k)
     ceiling_repeats: int = 8  # timed rounds per k (after 2 untimed)
     llama_server: Path | None = None
@@ -183,6 +185,8 @@ def mode_specs(
     for kind in options.modes:
         if kind == "plain" and not with_plain:
             continue
+        if options.mode_ks and kind != "plain" and k not in options.mode_ks.get(kind, options.ks):
+            continue
         if kind == "oracle":
             specs += [
                 ModeSpec("oracle", k, acceptance=a, delay_ms=ms, delay_steps=x,
@@ -201,6 +205,14 @@ def mode_specs(
         else:
             specs.append(ModeSpec(kind, 0 if kind == "plain" else k))
     return specs
+
+
+def sweep_ks(options: BenchOptions) -> list[int]:
+    """Every k some mode runs at: -k, then the --mode-k values in order of appearance."""
+    ks = list(dict.fromkeys(options.ks))
+    for values in options.mode_ks.values():
+        ks += [k for k in values if k not in ks]
+    return ks
 
 
 def rotated(items: list[T], shift: int) -> list[T]:
@@ -492,7 +504,7 @@ class BenchSession:
                 # Repeats outermost, so drift spreads over every k as well as every mode.
                 for repeat in range(o.repeats):
                     trial = Trial(context, repeat, prompts, outputs, config, folders, delays)
-                    for k_index, k in enumerate(o.ks):
+                    for k_index, k in enumerate(sweep_ks(o)):
                         specs = mode_specs(o, k, with_plain=k_index == 0, delays=delays)
                         units = mode_units(specs)
                         for unit in rotated(units, repeat + k_index):

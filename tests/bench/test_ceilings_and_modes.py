@@ -186,3 +186,25 @@ def test_no_import_circle_in_proxy_bench() -> None:
 
     circles = [m for m in graph if reaches(m, m, {m})]
     assert circles == [], f"import circles through {circles}"
+
+
+def test_mode_k_runs_a_mode_only_at_its_own_k() -> None:
+    import argparse
+
+    from proxy.bench.cli import _mode_k
+    from proxy.bench.runner import sweep_ks
+
+    assert _mode_k("proxy=4") == ("proxy", [4])
+    for bad in ("proxy", "plain=2", "turbo=2", "proxy="):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _mode_k(bad)
+    options = BenchOptions(
+        target=Path("t.gguf"), modes=["plain", "builtin", "proxy", "oracle"], ks=[2, 4, 6],
+        mode_ks={"proxy": [4], "oracle": [4, 8]},
+    )  # fmt: skip
+    assert sweep_ks(options) == [2, 4, 6, 8]
+    by_k = {k: [s.name for s in mode_specs(options, k, with_plain=k == 2)] for k in (2, 4, 6, 8)}
+    assert by_k[2] == ["plain", "builtin"]
+    assert by_k[4] == ["builtin", "proxy", "oracle(a=0.8,0ms)"]
+    assert by_k[6] == ["builtin"]
+    assert by_k[8] == ["oracle(a=0.8,0ms)"]  # the other modes keep to -k
