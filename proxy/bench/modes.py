@@ -201,8 +201,12 @@ class LlamaServerMode(ModeInstance):
             config.llama_server, config.target, args, log_path=config.log_dir / f"{log_name}.log"
         )
         self.timeout = config.startup_timeout
+        self._log_start = 0
 
     async def start(self) -> None:
+        path = self.server.log_path
+        # the log is appended to: this server's statistics start here
+        self._log_start = path.stat().st_size if path is not None and path.exists() else 0
         await self.server.start(self.timeout)
         self.base_url = self.server.base_url
         self.metrics_url = self.base_url + "/metrics"
@@ -217,7 +221,9 @@ class LlamaServerMode(ModeInstance):
         stats = None
         for _ in range(100):
             if path is not None and path.exists():
-                stats = last_draft_stats(path.read_text(errors="replace"))
+                with open(path, "rb") as log_file:
+                    log_file.seek(self._log_start)
+                    stats = last_draft_stats(log_file.read().decode(errors="replace"))
                 if stats is not None and (after is None or stats.calls > after.calls):
                     return stats
             await asyncio.sleep(0.02)

@@ -333,6 +333,8 @@ class BenchSession:
         log_name = f"ctx{trial.context}-k{spec.k}-r{trial.repeat}-{spec.kind}"
         if spec.acceptance is not None:
             log_name += f"-a{spec.acceptance:g}"
+        if spec.delay_steps is not None:
+            log_name += f"-X{spec.delay_steps:g}"
         if spec.variant:
             log_name += f"-{spec.variant}"
         folder = (
