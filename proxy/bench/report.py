@@ -106,7 +106,8 @@ def render_table(result: dict[str, Any]) -> str:
         "the all-accepted line. t_d: proxy = draft ms per drafted token from its /metrics "
         "(re-sync included, t_resync = 0); oracle = its delay; builtin = llama.cpp's draft() "
         "timer per token from its log (its pass over the verified batch is untimed, "
-        "t_resync = 0).",
+        "t_resync = 0). Both describe speculative rounds: where plain runs made part of the "
+        "output, meas/ideal can pass 1 (and a row decoded mostly in plain runs has no a).",
         "builtin-synth(a): llama-server --spec-synth-rates a,a^2,..,a^k with the real draft: "
         "BENCHMARKING ONLY: OUTPUT NOT VALID (not compared with plain: =plain 'not valid'). "
         "oracle(a,X,ms): X = --oracle-delay-steps, the delay per token as a fraction of the "
