@@ -137,11 +137,12 @@ class Timeouts:
     verify: float = 600.0  # a first round may prefill a long prompt on a slow CPU
 
 
-_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text page (enough for llama-server's counters)."""
+    """Samples of a Prometheus text page by name, labels included as written:
+    'name' or 'name{position="0"}' (the project's one parser; proxy.bench uses it)."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

@@ -10,38 +10,9 @@ import shlex
 from pathlib import Path
 
 from proxy.bench.modes import MODE_KINDS
+from proxy.bench.options import comma_choices, context_list, float_list, int_list, parse_variant
 
 log = logging.getLogger(__name__)
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _float_list(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def _contexts(text: str) -> list[int | None]:
-    """'natural,512,4096' -> [None, 512, 4096]; 4k is accepted for 4096."""
-    out: list[int | None] = []
-    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
-        if item in ("natural", "none", "0"):
-            out.append(None)
-        elif item.endswith("k"):
-            out.append(int(float(item[:-1]) * 1024))
-        else:
-            out.append(int(item))
-    return out
-
-
-def comma_choices(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
-    """'a,b' -> ['a', 'b'], each one of `allowed`."""
-    items = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in items if m not in allowed]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; from {', '.join(allowed)}")
-    return items
 
 
 def _modes(text: str) -> list[str]:
@@ -49,10 +20,33 @@ def _modes(text: str) -> list[str]:
 
 
 def _variant(text: str) -> tuple[str, list[str]]:
-    from proxy.bench.verify_cost import parse_variant
-
     variant = parse_variant(text)
     return variant.name, variant.args
+
+
+def _mode_k(text: str) -> tuple[str, list[int]]:
+    """'builtin=2,4,6' -> ('builtin', [2, 4, 6])."""
+    kind, sep, ks = text.partition("=")
+    kinds = comma_choices(kind, MODE_KINDS, "modes")
+    values = int_list(ks)
+    if not sep or len(kinds) != 1 or kinds[0] == "plain" or not values:
+        raise argparse.ArgumentTypeError(f"--mode-k {text!r}: write MODE=K[,K...], e.g. proxy=4")
+    return kinds[0], values
+
+
+def draft_shape_of(*folders: Path | None) -> str:
+    """The draft's shape from the first models folder with a manifest.json that
+    names one (`npu-spec make-models --draft-shape`); "core" when none does."""
+    for folder in folders:
+        manifest = folder / "manifest.json" if folder is not None else None
+        if manifest is not None and manifest.is_file():
+            try:
+                shape = json.loads(manifest.read_text()).get("draft_shape")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if shape:
+                return str(shape)
+    return "core"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,12 +59,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a `npu-spec make-models` folder: sets --target, --draft-gguf and --drafter",
     )
     parser.add_argument(
-        "--modes", type=_modes, default=list(MODE_KINDS), help="comma list (default: all four)"
+        "--modes",
+        type=_modes,
+        default=["plain", "builtin", "proxy", "oracle"],
+        help=f"comma list of {', '.join(MODE_KINDS)} (default: all but builtin-synth); "
+        "builtin-synth: llama-server's --spec-synth-rates at each --oracle-acceptance "
+        "(benchmarking only: output not valid, not compared with plain)",
     )
-    parser.add_argument("-k", type=_int_list, default=[4], dest="ks", help="k sweep, e.g. 2,4,6,8")
+    parser.add_argument("-k", type=int_list, default=[4], dest="ks", help="k sweep, e.g. 2,4,6,8")
+    parser.add_argument(
+        "--mode-k",
+        type=_mode_k,
+        action="append",
+        dest="mode_ks",
+        metavar="MODE=K[,K...]",
+        help="run MODE only at these k (repeatable), e.g. --mode-k proxy=4 --mode-k oracle=4 "
+        "with -k 2,4,6: builtin at 2, 4 and 6, proxy and oracle at 4 only",
+    )
     parser.add_argument(
         "--context",
-        type=_contexts,
+        type=context_list,
         default=[None],
         dest="contexts",
         help="prompt lengths: natural (as written; the long prompt ~4k) or tokens, e.g. 512,4k",
@@ -91,12 +99,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-t", "--threads", type=int, help="llama-server -t (and -td)")
     parser.add_argument("--provider", default="auto", help="drafter provider: auto, npu, cuda, cpu")
-    parser.add_argument("--oracle-acceptance", type=_float_list, default=[0.8], help="e.g. 0.6,0.8")
+    parser.add_argument(
+        "--oracle-acceptance",
+        type=float_list,
+        default=[0.8],
+        help="e.g. 0.6,0.8 (also builtin-synth's a)",
+    )
     parser.add_argument(
         "--oracle-delay-ms",
         type=float,
         default=0.0,
         help="per drafted token, e.g. 11 (NPU 91 tok/s)",
+    )
+    parser.add_argument(
+        "--oracle-delay-steps",
+        type=float_list,
+        metavar="X[,X...]",
+        help="the oracle's delay per token as a fraction X of the plain step measured on "
+        "the same server and context, e.g. 0.12,0.27 (replaces --oracle-delay-ms)",
+    )
+    parser.add_argument(
+        "--ceiling-ks",
+        type=int_list,
+        default=[1, 2, 3, 4, 6, 8],
+        help="k values at which each context's k+1-prompt round cost t_v(k) is measured "
+        "for the ideal and overlap columns ('none': no ceilings)",
+    )
+    parser.add_argument(
+        "--ceiling-repeats", type=int, default=8, help="timed rounds per k for t_v(k)"
     )
     parser.add_argument("--oracle-seed", type=int, default=0)
     parser.add_argument("--llama-server", type=Path, help="llama-server binary")
@@ -125,6 +155,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "-o", "--out", type=Path, help="result JSON (default: benchmarks/results/bench-<time>.json)"
+    )
+    parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="run nothing: print the cost model's prediction for the seed's Strix Halo "
+        "numbers (see proxy.bench.predict); with --report RESULT.json, the engine "
+        "efficiency (meas/overlap) comes from its proxy rows",
+    )
+    parser.add_argument(
+        "--engine-efficiency",
+        type=float,
+        help="--predict: the proxy's meas/overlap to apply (default: from --report, else 1)",
+    )
+    parser.add_argument(
+        "--predict-acceptance",
+        type=float_list,
+        help="--predict: i.i.d. acceptance values (default: solved from the seed's table)",
     )
     parser.add_argument(
         "--report",
@@ -159,6 +206,15 @@ def options_from_args(args: argparse.Namespace):
         provider=args.provider,
         oracle_acceptance=args.oracle_acceptance,
         oracle_delay_ms=args.oracle_delay_ms,
+        oracle_delay_steps=args.oracle_delay_steps,
+        mode_ks=dict(args.mode_ks or []),
+        ceiling_ks=args.ceiling_ks,
+        ceiling_repeats=args.ceiling_repeats,
+        draft_shape=draft_shape_of(
+            args.models,
+            draft_gguf.parent if draft_gguf else None,
+            drafter.parent if drafter else None,
+        ),
         oracle_seed=args.oracle_seed,
         llama_server=args.llama_server,
         work_dir=args.work_dir,
@@ -175,15 +231,23 @@ def report(path: Path) -> int:
     from proxy.bench.stats import summary_rows
 
     result = json.loads(path.read_text())
-    result["summary"] = summary_rows(result["runs"], result["instances"])
+    shape = (result.get("options") or {}).get("draft_shape", "core")
+    result["summary"] = summary_rows(
+        result["runs"], result["instances"], result.get("round_costs"), shape
+    )
     print(render_table(result))
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from proxy.bench.report import render_table
-    from proxy.bench.runner import default_result_path, run_bench, write_json
+    from proxy.bench.results import default_result_path, write_json
+    from proxy.bench.runner import run_bench
 
+    if args.predict:
+        from proxy.bench.predict import print_prediction
+
+        return print_prediction(args.report, args.engine_efficiency, args.predict_acceptance)
     if args.report is not None:
         return report(args.report)
 
@@ -191,11 +255,14 @@ def run(args: argparse.Namespace) -> int:
     if options.target is None:
         log.error("give --target model.gguf or --models DIR")
         return 2
-    if "builtin" in options.modes and options.draft_gguf is None:
-        log.error("the builtin mode needs --draft-gguf (or --models)")
+    if {"builtin", "builtin-synth"} & set(options.modes) and options.draft_gguf is None:
+        log.error("the builtin modes need --draft-gguf (or --models)")
         return 2
     if "proxy" in options.modes and options.drafter is None:
         log.error("the proxy mode needs --drafter (or --models)")
+        return 2
+    if options.oracle_delay_steps is not None and not options.ceiling_ks:
+        log.error("--oracle-delay-steps needs the plain step: give --ceiling-ks (not 'none')")
         return 2
     out = args.out or default_result_path("bench")
     result = asyncio.run(run_bench(options, progress=out))
@@ -203,8 +270,9 @@ def run(args: argparse.Namespace) -> int:
     print(render_table(result))
     print(f"\nraw results: {out}")
     bad = [
-        e for e in result["summary"] if e["summary"]["n_equal_to_plain"] != e["summary"]["n_runs"]
-    ]
+        e for e in result["summary"]
+        if e["summary"]["n_equal_to_plain"] != e["summary"]["n_compared"]
+    ]  # fmt: skip
     for entry in bad:
         log.warning(
             "%s k=%d ctx=%s: output differs from plain", entry["mode"], entry["k"], entry["context"]

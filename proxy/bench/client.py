@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.bench.prom import parse_metrics
+from proxy.upstream import parse_prometheus
 
 SPEC_HEADER = "X-Npu-Spec"
 
@@ -57,7 +57,7 @@ class StreamedCompletion:
 async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     async with session.get(url) as response:
         response.raise_for_status()
-        return parse_metrics(await response.text())
+        return parse_prometheus(await response.text())
 
 
 async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[bytes]:

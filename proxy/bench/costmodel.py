@@ -75,3 +75,67 @@ def predict(
         tokens_per_s_turns=1e3 * tokens / turns if turns > 0 else float("inf"),
         tokens_per_s_overlapped=1e3 * tokens / overlapped if overlapped > 0 else float("inf"),
     )
+
+
+# -- ceilings: the best any drafter could do on this server (issue 16, item 4) ----
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    tokens_per_s: float
+    k: int  # the k that reaches it
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def overlap_round_ms(
+    a: float, k: int, verify_ms: float, draft_ms_per_token: float, resync_ms: float
+) -> float:
+    """T(k) = t_v(k) + (1 - a^(k+1)) * (t_resync + k * t_d).
+
+    Drafting ahead along the all-accepted line hides the next draft under this
+    round's verification only when all k drafts and the drafter's guess of the bonus
+    token are accepted (probability a^(k+1)); any other outcome waits for a re-sync
+    and k fresh draft steps."""
+    return verify_ms + (1.0 - a ** (k + 1)) * (resync_ms + k * draft_ms_per_token)
+
+
+def ideal_ceiling(a: float, round_ms: dict[int, float]) -> Ceiling | None:
+    """max over k of E(k)/t_v(k): a free draft, the stock API's absolute limit."""
+    best = None
+    for k, ms in round_ms.items():
+        if ms and ms > 0:
+            speed = 1e3 * expected_tokens_per_round(a, k) / ms
+            if best is None or speed > best.tokens_per_s:
+                best = Ceiling(speed, int(k))
+    return best
+
+
+def overlap_ceiling(
+    a: float, round_ms: dict[int, float], draft_ms_per_token: float, resync_ms: float = 0.0
+) -> Ceiling | None:
+    """max over k of E(k)/T(k), with T from `overlap_round_ms`."""
+    best = None
+    for k, ms in round_ms.items():
+        if ms and ms > 0:
+            total = overlap_round_ms(a, int(k), ms, draft_ms_per_token, resync_ms)
+            speed = 1e3 * expected_tokens_per_round(a, k) / total
+            if best is None or speed > best.tokens_per_s:
+                best = Ceiling(speed, int(k))
+    return best
+
+
+def acceptance_from_ratio(ratio: float, k: int) -> float:
+    """The i.i.d. a whose accepted/drafted ratio at fixed k is `ratio`:
+    (E(a, k) - 1) / k = ratio, solved by bisection (the ratio grows with a)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"acceptance ratio {ratio} outside [0, 1]")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if expected_accepted_per_round(mid, k) / k < ratio:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2

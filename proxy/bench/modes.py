@@ -1,8 +1,12 @@
-"""The four ways of serving one generation.
+"""The ways of serving one generation.
 
 - plain: llama-server alone (one slot, the same context per slot as the others);
 - builtin: llama-server with llama.cpp's own drafting (`-md draft.gguf
   --spec-type draft-simple`) at the same k;
+- builtin-synth: the same, with llama-server's `--spec-synth-rates` (b11434:
+  common/arg.cpp, common/speculative.cpp): the server drafts with the real draft
+  model but accepts each draft at random instead of by match, so acceptance is set
+  like the oracle's. Benchmarking only: its output is not valid;
 - proxy: `npu-spec serve` with the drafter folder;
 - oracle: `npu-spec serve` with the oracle drafter (npu_draft.oracle).
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,15 +36,58 @@ from proxy.bench.procmem import child_pids, gpu_memory_mb, gpu_used_mb, peak_rss
 from proxy.llama_server import LlamaServerProcess, free_port
 from proxy.managed import ServerLayout, managed_server
 
-MODE_KINDS = ("plain", "builtin", "proxy", "oracle")
+MODE_KINDS = ("plain", "builtin", "builtin-synth", "proxy", "oracle")
+BUILTIN_KINDS = ("builtin", "builtin-synth")
+SYNTH_LABEL = "benchmarking only: output not valid"
+# llama.cpp logs its drafter's cumulative statistics at the end of each request at
+# trace verbosity (common_speculative_print_stats): `-lv 4` turns them on
+TRACE_VERBOSITY = ["-lv", "4"]
+_DRAFT_STATS = re.compile(
+    r"statistics\s+(?P<impl>\S+): #calls\(b,g,a\) =\s*\d+\s+(?P<calls>\d+)\s+\d+.*?"
+    r"#gen tokens =\s*(?P<tokens>\d+).*?dur\(b,g,a\) = [\d.]+, (?P<ms>[\d.]+), [\d.]+ ms"
+)
+
+
+def synth_rates(a: float, k: int) -> str:
+    """`--spec-synth-rates` for i.i.d. acceptance a at k drafts.
+
+    The flag takes exactly n_max values (the draft's --spec-draft-n-max), each the
+    UNCONDITIONAL probability that draft position i (0-based) is accepted, non-
+    increasing in [0, 1]; the server turns them into conditional rates P_i/P_(i-1).
+    i.i.d. a per token is P_i = a^(i+1): a, a^2, ..., a^k."""
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"synthetic acceptance {a} outside [0, 1]")
+    if k < 1:
+        raise ValueError("synthetic acceptance needs k >= 1")
+    return ",".join(f"{a ** (i + 1):.6g}" for i in range(k))
+
+
+@dataclass(frozen=True)
+class DraftStats:
+    """llama.cpp's drafter statistics (cumulative since the server started)."""
+
+    calls: int  # draft() calls
+    tokens: int  # draft tokens generated
+    ms: float  # time inside draft() (the draft model's k steps; not its re-sync)
+
+
+def last_draft_stats(log_text: str) -> DraftStats | None:
+    """The last `statistics draft-simple: ...` line of a llama-server log."""
+    found = None
+    for match in _DRAFT_STATS.finditer(log_text):
+        found = match
+    if found is None:
+        return None
+    return DraftStats(int(found["calls"]), int(found["tokens"]), float(found["ms"]))
 
 
 @dataclass(frozen=True)
 class ModeSpec:
     kind: str  # one of MODE_KINDS
     k: int = 0
-    acceptance: float | None = None  # oracle only
+    acceptance: float | None = None  # oracle and builtin-synth
     delay_ms: float = 0.0  # oracle only
+    delay_steps: float | None = None  # oracle: delay_ms as a fraction of the plain step
     variant: str = ""  # proxy and oracle: a named set of extra `npu-spec serve` options
     serve_args: tuple[str, ...] = ()
 
@@ -47,8 +95,16 @@ class ModeSpec:
     def name(self) -> str:
         base = self.kind
         if self.kind == "oracle":
-            base = f"oracle(a={self.acceptance:g},{self.delay_ms:g}ms)"
+            steps = "" if self.delay_steps is None else f"X={self.delay_steps:g},"
+            base = f"oracle(a={self.acceptance:g},{steps}{self.delay_ms:.3g}ms)"
+        elif self.kind == "builtin-synth":
+            base = f"builtin-synth(a={self.acceptance:g})"
         return f"{base}[{self.variant}]" if self.variant else base
+
+    @property
+    def valid_output(self) -> bool:
+        """False for synthetic acceptance: its output is not the target's."""
+        return self.kind != "builtin-synth"
 
     @property
     def speculative(self) -> bool:
@@ -121,34 +177,57 @@ class ModeInstance:
 
 
 class LlamaServerMode(ModeInstance):
-    """plain and builtin: a llama-server of their own."""
+    """plain, builtin and builtin-synth: a llama-server of their own."""
 
     def __init__(self, config: ServeConfig, spec: ModeSpec, log_name: str) -> None:
         args = ["-c", str(config.ctx), "-np", "1", "--metrics", *_threads(config)]
         args += config.server_args
-        if spec.kind == "builtin":
+        if spec.kind in BUILTIN_KINDS:
             if config.draft_gguf is None:
-                raise ValueError("builtin mode needs --draft-gguf")
+                raise ValueError("builtin modes need --draft-gguf")
             args += [
                 "-md", str(config.draft_gguf),
                 "--spec-type", "draft-simple",
                 "--spec-draft-n-max", str(spec.k),
                 "--spec-draft-n-min", "0",
                 *(["-td", str(config.threads)] if config.threads else []),
+                *TRACE_VERBOSITY,
                 *config.builtin_args,
             ]  # fmt: skip
+        if spec.kind == "builtin-synth":
+            assert spec.acceptance is not None
+            args += ["--spec-synth-rates", synth_rates(spec.acceptance, spec.k)]
         self.server = LlamaServerProcess(
             config.llama_server, config.target, args, log_path=config.log_dir / f"{log_name}.log"
         )
         self.timeout = config.startup_timeout
+        self._log_start = 0
 
     async def start(self) -> None:
+        path = self.server.log_path
+        # the log is appended to: this server's statistics start here
+        self._log_start = path.stat().st_size if path is not None and path.exists() else 0
         await self.server.start(self.timeout)
         self.base_url = self.server.base_url
         self.metrics_url = self.base_url + "/metrics"
 
     async def stop(self) -> None:
         await self.server.stop()
+
+    async def draft_stats(self, after: DraftStats | None = None) -> DraftStats | None:
+        """The drafter's statistics once the log shows a request newer than `after`
+        (the server logs them when a request ends, from its logging thread)."""
+        path = self.server.log_path
+        stats = None
+        for _ in range(100):
+            if path is not None and path.exists():
+                with open(path, "rb") as log_file:
+                    log_file.seek(self._log_start)
+                    stats = last_draft_stats(log_file.read().decode(errors="replace"))
+                if stats is not None and (after is None or stats.calls > after.calls):
+                    return stats
+            await asyncio.sleep(0.02)
+        return stats
 
     def pids(self) -> dict[str, int]:
         pid = _child_listening_on(self.server.port)
@@ -274,7 +353,7 @@ def make_instance(
     config: ServeConfig, spec: ModeSpec, log_name: str,
     verify_server: VerifyServer | None = None, oracle_folder: Path | None = None,
 ) -> ModeInstance:  # fmt: skip
-    if spec.kind in ("plain", "builtin"):
+    if spec.kind in ("plain", *BUILTIN_KINDS):
         return LlamaServerMode(config, spec, log_name)
     if spec.kind not in MODE_KINDS:
         raise ValueError(f"unknown mode {spec.kind!r}; one of {', '.join(MODE_KINDS)}")

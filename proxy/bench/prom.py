@@ -1,25 +1,8 @@
-"""Prometheus text exposition -> {"name{labels}": value}, and counter deltas."""
+"""Counter arithmetic on parsed /metrics pages (parsed by proxy.upstream.parse_prometheus)."""
 
 from __future__ import annotations
 
 import re
-
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        try:
-            values[match.group(1)] = float(match.group(2))
-        except ValueError:
-            continue
-    return values
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:

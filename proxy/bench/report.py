@@ -6,6 +6,8 @@ from typing import Any
 
 COLUMNS = [
     ("ctx", 6), ("k", 2), ("mode", 22), ("tok/s [min-max]", 20), ("x plain", 7),
+    ("ideal (k)", 10), ("overlap (k)", 11), ("meas/ideal", 10), ("meas/overlap", 12),
+    ("t_d ms", 6),
     ("TTFT ms", 8), ("plain run", 9), ("accept", 6), ("acc/rnd", 7), ("k/rnd", 5), ("a iid", 5),
     ("accept by position", 24), ("branch p/t", 10),
     ("draft/verify/ovh ms", 20), ("dec/rnd", 7), ("pred turns|ovl", 15), ("meas/pred", 9),
@@ -53,6 +55,11 @@ def _row(entry: dict[str, Any]) -> list[str]:
         entry["mode"],
         speed,
         _f(entry.get("speedup_vs_plain"), 2),
+        _ceiling(entry.get("ideal_tok_s"), entry.get("ideal_k")),
+        _ceiling(entry.get("overlap_tok_s"), entry.get("overlap_k")),
+        _f(entry.get("meas_over_ideal"), 2),
+        _f(entry.get("meas_over_overlap"), 2),
+        _f(entry.get("draft_ms_per_token"), 2),
         _f(s["ttft_ms_median"], 0),
         "-" if s.get("plain_run_share") is None else f"{100 * s['plain_run_share']:.0f}%",
         _f(s.get("acceptance"), 2),
@@ -69,9 +76,20 @@ def _row(entry: dict[str, Any]) -> list[str]:
         _f(s.get("measured_over_predicted"), 2),
         rss,
         _f(gpu, 0),
-        f"{s['n_equal_to_plain']}/{s['n_runs']}"
-        + (f" +{s['n_near_tie']} tie" if s.get("n_near_tie") else ""),
+        _equality(s),
     ]
+
+
+def _ceiling(value: float | None, k: int | None) -> str:
+    return "-" if value is None else f"{value:.1f} ({k})"
+
+
+def _equality(s: dict[str, Any]) -> str:
+    if s.get("n_compared", s["n_runs"]) == 0 and s["n_runs"]:
+        return "not valid"  # builtin-synth: benchmarking only
+    return f"{s['n_equal_to_plain']}/{s['n_runs']}" + (
+        f" +{s['n_near_tie']} tie" if s.get("n_near_tie") else ""
+    )
 
 
 def render_table(result: dict[str, Any]) -> str:
@@ -81,6 +99,19 @@ def render_table(result: dict[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     notes = [
         "tok/s: decode speed (tokens-1)/(last-first token), median over repeats [min-max].",
+        "ideal (k): max over k of E(k)/t_v(k) at the row's a iid, E(k) = (1-a^(k+1))/(1-a), "
+        "t_v(k) = the k+1-prompt round measured on a managed-mode server at this context "
+        "(result round_costs): a free draft, the stock API's limit. overlap (k): max over k "
+        "of E(k)/T(k), T(k) = t_v(k) + (1-a^(k+1))(t_resync + k t_d): drafting ahead along "
+        "the all-accepted line. t_d: proxy = draft ms per drafted token from its /metrics "
+        "(re-sync included, t_resync = 0); oracle = its delay; builtin = llama.cpp's draft() "
+        "timer per token from its log (its pass over the verified batch is untimed, "
+        "t_resync = 0). Both describe speculative rounds: where plain runs made part of the "
+        "output, meas/ideal can pass 1 (and a row decoded mostly in plain runs has no a).",
+        "builtin-synth(a): llama-server --spec-synth-rates a,a^2,..,a^k with the real draft: "
+        "BENCHMARKING ONLY: OUTPUT NOT VALID (not compared with plain: =plain 'not valid'). "
+        "oracle(a,X,ms): X = --oracle-delay-steps, the delay per token as a fraction of the "
+        "plain step measured at this context, and that delay in ms.",
         "accept = accepted/drafted; acc/rnd = accepted per round; a iid = the per-token "
         "acceptance the cost model uses (ML estimate from per-position counts).",
         "pred turns|ovl: cost model (DESIGN.md §4) from a iid, k/rnd and the measured "

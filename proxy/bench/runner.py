@@ -21,19 +21,27 @@ The result JSON (schema "npu-spec-bench/1"):
   exact_checked, else the streamed ids and text (see proxy.bench.client).
 - `instances`: one per started mode: its peak memory (rss_mb.*, gpu_mb.* in MiB;
   GPU memory as nvidia-smi reports it after the last prompt).
+- `round_costs`: per context, measured before the modes on a server started as
+  managed mode starts it (same flags, same prompt length): the plain step
+  (`plain_ms`) and the k+1-prompt round's wall ms by k (`round_ms`), see
+  proxy.bench.verify_cost.measure_round_costs. The oracle's `--oracle-delay-steps`
+  and the ceiling columns come from them.
 - `errors`: modes that failed or were skipped for time (the session goes on).
 - `summary`: one per (context, k, mode): speedup_vs_plain and `summary` (see
   proxy.bench.stats.summarize): tokens/s median/min/max and per repeat, TTFT,
   acceptance, accepted and tokens per round, acceptance per position, the i.i.d.
   acceptance estimate, draft/verify/overhead ms per round, draft ms per token,
   decodes per round, the cost-model prediction and measured/predicted, memory,
-  n_equal_to_plain / n_runs and n_speculative.
+  n_equal_to_plain / n_runs and n_speculative; and the flat keys of
+  proxy.bench.stats.ROW_KEYS (tok_s, plain_tok_s, ideal_tok_s, overlap_tok_s,
+  acceptance, draft_ms_per_token, draft_shape, ...).
+
+builtin-synth runs are "benchmarking only: output not valid": their outputs are not
+compared with plain (equal_to_plain is None).
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import tempfile
 import time
@@ -47,10 +55,20 @@ import aiohttp
 from npu_draft.oracle import OracleConfig, write_oracle_folder
 from proxy.bench.client import StreamedCompletion, exact_tokens, stream_completion
 from proxy.bench.host import host_info
-from proxy.bench.modes import ModeSpec, ServeConfig, VerifyServer, make_instance
+from proxy.bench.modes import (
+    BUILTIN_KINDS,
+    DraftStats,
+    LlamaServerMode,
+    ModeSpec,
+    ServeConfig,
+    VerifyServer,
+    make_instance,
+)
 from proxy.bench.neartie import explain_mismatch
 from proxy.bench.prompts import BenchPrompt, ServerText, build_prompts, load_prompt_set, select
+from proxy.bench.results import jsonable, now_utc, write_json
 from proxy.bench.stats import request_stats, summary_rows
+from proxy.bench.verify_cost import RoundCosts, measure_round_costs
 from proxy.llama_server import LlamaServerProcess, find_llama_server
 
 log = logging.getLogger(__name__)
@@ -59,13 +77,13 @@ T = TypeVar("T")
 SCHEMA = "npu-spec-bench/1"
 RESULT_FIELDS = (
     "schema", "started_utc", "finished_utc", "host", "options", "work_dir",
-    "references", "summary", "instances", "runs", "errors",
+    "references", "round_costs", "summary", "instances", "runs", "errors",
 )  # fmt: skip
 RUN_FIELDS = (
     "mode", "kind", "k", "context", "repeat", "prompt", "n_prompt", "n_generated",
     "ttft_ms", "decode_ms", "total_ms", "tokens_per_s", "e2e_tokens_per_s",
     "equal_to_plain", "exact_checked", "first_mismatch", "spec_header", "server_timings",
-    "stats",
+    "stats", "valid_output", "mode_params",
 )  # fmt: skip
 ROUND_COUNTER = "npu_spec_rounds_total"  # the proxy's rounds, see proxy.metrics
 WARMUP_TEXT = "Warm-up: count from one to ten."
@@ -82,6 +100,7 @@ class BenchOptions:
     draft_gguf: Path | None = None
     drafter: Path | None = None
     modes: list[str] = field(default_factory=lambda: ["plain", "builtin", "proxy", "oracle"])
+    draft_shape: str = "core"  # what the draft costs (the models folder's manifest)
     ks: list[int] = field(default_factory=lambda: [4])
     contexts: list[int | None] = field(default_factory=lambda: [None])  # None: as written
     repeats: int = 3
@@ -94,7 +113,14 @@ class BenchOptions:
     provider: str = "auto"
     oracle_acceptance: list[float] = field(default_factory=lambda: [0.8])
     oracle_delay_ms: float = 0.0
+    # the oracle's delay per token as fractions of the measured plain step (a sweep);
+    # replaces oracle_delay_ms when given
+    oracle_delay_steps: list[float] | None = None
     oracle_seed: int = 0
+    # a mode kind listed here runs at these k instead of -k (the sweep: -k plus these)
+    mode_ks: dict[str, list[int]] = field(default_factory=dict)
+    ceiling_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])  # t_v(k)
+    ceiling_repeats: int = 8  # timed rounds per k (after 2 untimed)
     llama_server: Path | None = None
     work_dir: Path | None = None  # logs and oracle folders (default: a temp dir)
     startup_timeout: float = 600.0
@@ -124,7 +150,19 @@ class Trial:
     prompts: list[BenchPrompt]
     outputs: dict[str, PlainOutput]  # by prompt id
     config: ServeConfig
-    oracle_folders: dict[float, Path]
+    oracle_folders: dict[tuple[float, float], Path]  # by (acceptance, delay ms)
+    oracle_delays: list[tuple[float | None, float]]  # (X or None, delay ms)
+
+
+def oracle_delays(
+    options: BenchOptions, plain_ms: float | None
+) -> list[tuple[float | None, float]]:
+    """(X, ms) per oracle delay: X times the measured plain step, or the fixed ms."""
+    if options.oracle_delay_steps is None:
+        return [(None, options.oracle_delay_ms)]
+    if plain_ms is None:
+        raise RuntimeError("--oracle-delay-steps needs the plain step, which was not measured")
+    return [(x, x * plain_ms) for x in options.oracle_delay_steps]
 
 
 def mode_units(specs: list[ModeSpec]) -> list[ModeSpec | list[ModeSpec]]:
@@ -134,19 +172,31 @@ def mode_units(specs: list[ModeSpec]) -> list[ModeSpec | list[ModeSpec]]:
     return alone + ([shared] if shared else [])
 
 
-def mode_specs(options: BenchOptions, k: int, with_plain: bool = True) -> list[ModeSpec]:
-    """The modes of one k group; plain does not depend on k, so it runs in one group."""
+def mode_specs(
+    options: BenchOptions, k: int, with_plain: bool = True,
+    delays: list[tuple[float | None, float]] | None = None,
+) -> list[ModeSpec]:  # fmt: skip
+    """The modes of one k group; plain does not depend on k, so it runs in one group.
+    builtin-synth runs once per oracle acceptance, the oracle once per acceptance,
+    delay and proxy variant."""
+    if delays is None:
+        delays = oracle_delays(options, None) if options.oracle_delay_steps is None else []
     specs = []
     for kind in options.modes:
         if kind == "plain" and not with_plain:
             continue
+        if options.mode_ks and kind != "plain" and k not in options.mode_ks.get(kind, options.ks):
+            continue
         if kind == "oracle":
             specs += [
-                ModeSpec("oracle", k, acceptance=a, delay_ms=options.oracle_delay_ms,
+                ModeSpec("oracle", k, acceptance=a, delay_ms=ms, delay_steps=x,
                          variant=name, serve_args=tuple(args))
                 for a in options.oracle_acceptance
+                for x, ms in delays
                 for name, args in options.proxy_variants
             ]  # fmt: skip
+        elif kind == "builtin-synth":
+            specs += [ModeSpec(kind, k, acceptance=a) for a in options.oracle_acceptance]
         elif kind == "proxy":
             specs += [
                 ModeSpec("proxy", k, variant=name, serve_args=tuple(args))
@@ -155,6 +205,14 @@ def mode_specs(options: BenchOptions, k: int, with_plain: bool = True) -> list[M
         else:
             specs.append(ModeSpec(kind, 0 if kind == "plain" else k))
     return specs
+
+
+def sweep_ks(options: BenchOptions) -> list[int]:
+    """Every k some mode runs at: -k, then the --mode-k values in order of appearance."""
+    ks = list(dict.fromkeys(options.ks))
+    for values in options.mode_ks.values():
+        ks += [k for k in values if k not in ks]
+    return ks
 
 
 def rotated(items: list[T], shift: int) -> list[T]:
@@ -185,7 +243,8 @@ class BenchSession:
         self.instances: list[dict[str, Any]] = []
         self.references: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
-        self._started = _now()
+        self.round_costs: dict[str, dict[str, Any]] = {}  # by str(context)
+        self._started = now_utc()
         self.host = host_info(self.binary)
         self._warmup: list[int] = []  # a short prompt outside the set, for warm-up requests
 
@@ -237,16 +296,34 @@ class BenchSession:
         return prompts, outputs
 
     def _oracle_folders(
-        self, context: int | None, prompts: list[BenchPrompt], outputs: dict[str, PlainOutput]
-    ) -> dict[float, Path]:
+        self, context: int | None, prompts: list[BenchPrompt], outputs: dict[str, PlainOutput],
+        delays: list[tuple[float | None, float]],
+    ) -> dict[tuple[float, float], Path]:  # fmt: skip
         o = self.options
+        if "oracle" not in o.modes:
+            return {}
         references = [(p.tokens, outputs[p.id].tokens) for p in prompts]
         folders = {}
         for a in o.oracle_acceptance:
-            config = OracleConfig(acceptance=a, delay_ms=o.oracle_delay_ms, seed=o.oracle_seed)
-            folder = self.work_dir / f"oracle-ctx{context}-a{a:g}"
-            folders[a] = write_oracle_folder(folder, references, config)
+            for _, ms in delays:
+                config = OracleConfig(acceptance=a, delay_ms=ms, seed=o.oracle_seed)
+                folder = self.work_dir / f"oracle-ctx{context}-a{a:g}-d{ms:.4g}"
+                folders[(a, ms)] = write_oracle_folder(folder, references, config)
         return folders
+
+    async def _cost_phase(self, context: int | None, prompts: list[BenchPrompt]) -> RoundCosts:
+        """The plain step and t_v(k) at this prompt length, on a managed-mode server."""
+        o = self.options
+        lengths = sorted(len(p.tokens) for p in prompts)
+        length = context or lengths[len(lengths) // 2]
+        log.info("ctx %s: measuring the plain step and t_v(k) for k in %s", context, o.ceiling_ks)
+        costs = await measure_round_costs(
+            o.target, length, o.ceiling_ks, server_args=o.server_args, threads=o.threads,
+            llama_server=self.binary, work_dir=self.work_dir / f"round-costs-ctx{context}",
+            repeats=o.ceiling_repeats, startup_timeout=o.startup_timeout,
+        )  # fmt: skip
+        self.round_costs[str(context)] = costs.to_dict()
+        return costs
 
     async def _run_mode(
         self, session: aiohttp.ClientSession, trial: Trial, spec: ModeSpec,
@@ -256,27 +333,52 @@ class BenchSession:
         log_name = f"ctx{trial.context}-k{spec.k}-r{trial.repeat}-{spec.kind}"
         if spec.acceptance is not None:
             log_name += f"-a{spec.acceptance:g}"
+        if spec.delay_steps is not None:
+            log_name += f"-X{spec.delay_steps:g}"
         if spec.variant:
             log_name += f"-{spec.variant}"
-        folder = trial.oracle_folders.get(spec.acceptance) if spec.kind == "oracle" else None
+        folder = (
+            trial.oracle_folders.get((spec.acceptance, spec.delay_ms))
+            if spec.kind == "oracle" and spec.acceptance is not None
+            else None
+        )
         instance = make_instance(trial.config, spec, log_name, verify_server, folder)
         log.info("ctx %s k %d repeat %d: %s", trial.context, spec.k, trial.repeat, spec.name)
         if verify_server is not None:
             await verify_server.erase_slots(session)
         await instance.start()
+        # llama.cpp's drafter timer (builtin modes): cumulative, read after each request
+        drafter = (
+            instance
+            if isinstance(instance, LlamaServerMode) and spec.kind in BUILTIN_KINDS
+            else None
+        )
         try:
             await stream_completion(session, instance.base_url, self._warmup, WARMUP_TOKENS)
+            seen = await drafter.draft_stats() if drafter else None
+            if seen is None:  # no statistics in the log: no drafter timer for this mode
+                drafter = None
             for prompt in trial.prompts:
                 done = await stream_completion(
                     session, instance.base_url, prompt.tokens, o.n_predict, instance.metrics_url,
                     round_counter=ROUND_COUNTER if spec.speculative else None,
                 )  # fmt: skip
+                draft_timer = None
+                if drafter:
+                    now = await drafter.draft_stats(seen)
+                    draft_timer = _draft_timer(now, seen)
+                    seen = now
                 exact = None
-                if o.exact_check == "all" or (o.exact_check == "first" and trial.repeat == 0):
+                check = o.exact_check == "all" or (o.exact_check == "first" and trial.repeat == 0)
+                if check and spec.valid_output:
                     exact = await exact_tokens(
                         session, instance.base_url, prompt.tokens, o.n_predict
                     )
+                    if drafter:
+                        seen = await drafter.draft_stats(seen)
                 record = self._run_record(spec, trial, prompt, done, exact)
+                if draft_timer is not None:
+                    record["stats"].update(draft_timer)
                 if exact is not None and record["first_mismatch"] is not None:
                     # the verify server (proxy, oracle) or the mode's own server
                     probe = verify_server.base_url if verify_server else instance.base_url
@@ -342,7 +444,10 @@ class BenchSession:
         exact: list[int] | None,
     ) -> dict[str, Any]:  # fmt: skip
         plain = trial.outputs[prompt.id]
-        if exact is not None:  # token for token
+        equal: bool | None
+        if not spec.valid_output:  # synthetic acceptance: nothing to compare
+            mismatch, equal = None, None
+        elif exact is not None:  # token for token
             mismatch = first_mismatch(exact, plain.tokens)
             equal = mismatch is None
         else:  # what the stream shows: its ids and its text
@@ -375,13 +480,19 @@ class BenchSession:
                 done.metrics_first,
                 done.metrics_after,
             ),
+            "valid_output": spec.valid_output,
+            "mode_params": {
+                "acceptance": spec.acceptance,
+                "delay_ms": spec.delay_ms,
+                "delay_steps": spec.delay_steps,
+            },
         }
 
     async def run(self, progress: Path | None = None) -> dict[str, Any]:
         """The whole session; with `progress`, the result so far is written there after
         every mode, so a session cut short still leaves its measurements."""
         o = self.options
-        self._started = _now()
+        self._started = now_utc()
         deadline = time.monotonic() + o.time_budget_s if o.time_budget_s else None
         timeout = aiohttp.ClientTimeout(total=None, sock_read=o.request_timeout)
         # A fresh connection per request: llama-server may close one after a stream.
@@ -390,12 +501,14 @@ class BenchSession:
             for context in o.contexts:
                 prompts, outputs = await self._reference_phase(session, context)
                 config = self._config(slot_context(prompts, o.n_predict))
-                folders = self._oracle_folders(context, prompts, outputs)
+                delays = await self._delays(context, prompts)
+                folders = self._oracle_folders(context, prompts, outputs, delays)
                 # Repeats outermost, so drift spreads over every k as well as every mode.
                 for repeat in range(o.repeats):
-                    trial = Trial(context, repeat, prompts, outputs, config, folders)
-                    for k_index, k in enumerate(o.ks):
-                        units = mode_units(mode_specs(o, k, with_plain=k_index == 0))
+                    trial = Trial(context, repeat, prompts, outputs, config, folders, delays)
+                    for k_index, k in enumerate(sweep_ks(o)):
+                        specs = mode_specs(o, k, with_plain=k_index == 0, delays=delays)
+                        units = mode_units(specs)
                         for unit in rotated(units, repeat + k_index):
                             if deadline is not None and time.monotonic() > deadline:
                                 self._skip(unit, trial)
@@ -405,50 +518,53 @@ class BenchSession:
                                 write_json(self.result(finished=False), progress)
         return self.result(finished=True)
 
+    async def _delays(
+        self, context: int | None, prompts: list[BenchPrompt]
+    ) -> list[tuple[float | None, float]]:
+        """Measure this context's round costs (unless --ceiling-ks is empty) and turn
+        --oracle-delay-steps into ms. A failed measurement is recorded; the session
+        goes on without ceilings (and without X-delayed oracles)."""
+        o = self.options
+        plain_ms = None
+        if o.ceiling_ks:
+            try:
+                plain_ms = (await self._cost_phase(context, prompts)).plain_ms
+            except (OSError, RuntimeError, ValueError, aiohttp.ClientError, TimeoutError) as exc:
+                log.exception("ctx %s: measuring round costs failed", context)
+                error = f"{type(exc).__name__}: {exc}"
+                self.errors.append(
+                    {"mode": "round-costs", "k": 0, "context": context, "repeat": 0,
+                     "error": error}
+                )  # fmt: skip
+        if o.oracle_delay_steps is not None and plain_ms is None:
+            return []  # no oracle modes: their delay is unknown
+        return oracle_delays(o, plain_ms)
+
     def result(self, finished: bool) -> dict[str, Any]:
         o = self.options
         return {
             "schema": SCHEMA,
             "started_utc": self._started,
-            "finished_utc": _now() if finished else None,
+            "finished_utc": now_utc() if finished else None,
             "host": self.host,
-            "options": _jsonable(asdict(o)),
+            "options": jsonable(asdict(o)),
             "work_dir": str(self.work_dir),
             "references": self.references,
-            "summary": summary_rows(self.runs, self.instances),
+            "round_costs": self.round_costs,
+            "summary": summary_rows(self.runs, self.instances, self.round_costs, o.draft_shape),
             "instances": self.instances,
             "runs": self.runs,
             "errors": self.errors,
         }
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
+def _draft_timer(now: DraftStats | None, before: DraftStats | None) -> dict[str, float] | None:
+    """One request's share of llama.cpp's cumulative drafter statistics."""
+    if now is None:
+        return None
+    base = before or DraftStats(0, 0, 0.0)
+    return {"draft_timer_ms": now.ms - base.ms, "draft_timer_tokens": now.tokens - base.tokens}
 
 
 async def run_bench(options: BenchOptions, progress: Path | None = None) -> dict[str, Any]:
     return await BenchSession(options).run(progress)
-
-
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-
-
-def default_result_path(prefix: str) -> Path:
-    """benchmarks/results/PREFIX-<UTC time>.json"""
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    return RESULTS_DIR / f"{prefix}-{stamp}.json"
-
-
-def write_json(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")

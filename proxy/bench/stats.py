@@ -11,8 +11,13 @@ per-round millisecond split and server decodes, read from `/metrics` deltas:
   for each of the k positions (llama.cpp does not count it).
 - plain: one round per generated token; decodes over the whole request.
 
+- builtin-synth: as builtin. Both also carry llama.cpp's own drafter timer
+  (`draft_timer_ms`, `draft_timer_tokens`: time inside its draft() calls, from the
+  server log, see proxy.bench.modes.last_draft_stats).
+
 Per mode (`summarize`): medians and spread over repeats, pooled acceptance, and
-the cost-model prediction.
+the cost-model prediction. Per row (`summary_rows`): the ceilings of
+proxy.bench.costmodel from the session's measured round costs (`ceiling_keys`).
 """
 
 from __future__ import annotations
@@ -21,10 +26,25 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from proxy.bench.costmodel import acceptance_from_positions, predict
+from proxy.bench.costmodel import (
+    acceptance_from_positions,
+    ideal_ceiling,
+    overlap_ceiling,
+    predict,
+)
+from proxy.bench.modes import BUILTIN_KINDS, MODE_KINDS
 from proxy.bench.prom import delta, per_position
 
 DECODES = "llamacpp:n_decode_total"
+SPECULATIVE_KINDS = ("proxy", "oracle")  # served through the proxy
+KIND_ORDER = {kind: i for i, kind in enumerate(MODE_KINDS)}
+# the flat keys every summary row carries (issue 16), besides `summary`
+ROW_KEYS = (
+    "mode", "context", "k", "tok_s", "plain_tok_s", "ideal_tok_s", "overlap_tok_s",
+    "acceptance", "draft_ms_per_token", "draft_shape", "resync_ms", "ideal_k", "overlap_k",
+    "meas_over_ideal", "meas_over_overlap", "oracle_delay_steps", "oracle_delay_ms",
+    "output_valid", "overlap_note",
+)  # fmt: skip
 
 
 def _proxy_counters(d: dict[str, float]) -> dict[str, Any]:
@@ -58,10 +78,18 @@ def request_stats(
         steady = _proxy_counters(delta(after, first)) if first else out
         out["steady"] = {
             name: steady[name]
-            for name in ("rounds", "drafted", "draft_ms", "verify_ms", "overhead_ms", "decodes")
+            for name in (
+                "rounds",
+                "drafted",
+                "drafted_ahead",
+                "draft_ms",
+                "verify_ms",
+                "overhead_ms",
+                "decodes",
+            )
         }
         return out
-    if kind == "builtin":
+    if kind in BUILTIN_KINDS:
         rounds = round(whole.get("llamacpp:spec_decode_num_drafts_total", 0))
         accepted_pos = per_position(whole, "llamacpp:spec_decode_num_accepted_tokens_per_pos_total")
         return {
@@ -127,6 +155,8 @@ def summarize(
         "ttft_ms_median": statistics.median(r["ttft_ms"] for r in runs) if runs else None,
         "n_runs": len(runs),
         "n_equal_to_plain": sum(1 for r in runs if r["equal_to_plain"]),
+        # builtin-synth: benchmarking only, its output is not compared
+        "n_compared": sum(1 for r in runs if r["equal_to_plain"] is not None),
         # differing runs whose first difference the server shows to be a near-tie
         "n_near_tie": sum(1 for r in runs if (r.get("near_tie") or {}).get("near_tie")),
         "n_exact_checked": sum(1 for r in runs if r.get("exact_checked")),
@@ -174,9 +204,20 @@ def summarize(
         out["verify_ms_per_round"] = sum(s["verify_ms"] for s in steady) / steady_rounds
         out["overhead_ms_per_round"] = sum(s["overhead_ms"] for s in steady) / steady_rounds
         out["draft_ms_per_token"] = _ratio(sum(s["draft_ms"] for s in steady), steady_drafted)
+        # per token drafted while the round waited: drafts that were ready from drafting
+        # ahead cost the round (almost) nothing, so they would dilute the drafter's cost
+        out["draft_ms_per_fresh_token"] = _ratio(
+            sum(s["draft_ms"] for s in steady),
+            steady_drafted - sum(s.get("drafted_ahead", 0) for s in steady),
+        )
         out["decodes_per_round"] = sum(s["decodes"] for s in steady) / steady_rounds
     else:
         out["decodes_per_round"] = _ratio(sum(r["stats"]["decodes"] for r in runs), rounds)
+    if kind in BUILTIN_KINDS:  # llama.cpp's own drafter timer, where its log had one
+        timed = [r["stats"] for r in runs if "draft_timer_ms" in r["stats"]]
+        out["draft_ms_per_token"] = _ratio(
+            sum(t["draft_timer_ms"] for t in timed), sum(t["draft_timer_tokens"] for t in timed)
+        )
     a = out.get("acceptance_iid")
     if kind in ("proxy", "oracle") and a is not None and steady_rounds:
         # the draft length the rounds really had: adaptive k drafts fewer than k
@@ -208,10 +249,81 @@ def _peak_memory(samples: list[dict[str, Any]]) -> dict[str, float]:
     return peak
 
 
+def _draft_cost(
+    kind: str, summary: dict[str, Any], params: dict[str, Any]
+) -> tuple[float | None, float, str | None]:
+    """(t_d, t_resync, why overlap is left out) of a row's drafter.
+
+    proxy: the proxy's /metrics, in the steady rounds: the ms the rounds waited for the
+    drafter per token drafted while waiting (drafts ready from drafting ahead left
+    out), its re-sync included (the proxy does not time re-sync apart: t_resync = 0).
+    oracle: its delay per token, no re-sync cost.
+    builtin: llama.cpp's draft() timer per drafted token; the draft model's pass over
+    each verified batch is not timed by llama.cpp, so t_resync = 0 (a lower bound)."""
+    if kind == "oracle":
+        return float(params.get("delay_ms") or 0.0), 0.0, None
+    t_d = summary.get("draft_ms_per_fresh_token" if kind == "proxy" else "draft_ms_per_token")
+    if kind in SPECULATIVE_KINDS or kind in BUILTIN_KINDS:
+        if t_d is None:
+            why = "no drafter timer in the server log" if kind in BUILTIN_KINDS else "no rounds"
+            return None, 0.0, why
+        return t_d, 0.0, None
+    return None, 0.0, "plain"
+
+
+def ceiling_keys(
+    entry: dict[str, Any], runs: list[dict[str, Any]], round_ms: dict[int, float],
+    plain_tok_s: float | None, draft_shape: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The flat ROW_KEYS of one summary row: its speed, and the ideal and overlap
+    ceilings at its own measured acceptance over the session's t_v(k)."""
+    kind, summary = entry["kind"], entry["summary"]
+    params = (runs[0].get("mode_params") or {}) if runs else {}
+    a = summary.get("acceptance_iid") if kind != "plain" else None
+    tok_s = summary["tokens_per_s_median"]
+    t_d, resync, note = _draft_cost(kind, summary, params)
+    ideal = ideal_ceiling(a, round_ms) if a is not None else None
+    overlap = (
+        overlap_ceiling(a, round_ms, t_d, resync) if a is not None and t_d is not None else None
+    )
+    if not round_ms:
+        note = "no round costs measured"
+    shape = None
+    if kind in BUILTIN_KINDS or kind == "proxy":
+        shape = draft_shape
+    elif kind == "oracle":
+        shape = "oracle"
+    row = {
+        "mode": entry["mode"], "context": entry["context"], "k": entry["k"], "tok_s": tok_s,
+        "plain_tok_s": plain_tok_s,
+        "ideal_tok_s": ideal.tokens_per_s if ideal else None,
+        "overlap_tok_s": overlap.tokens_per_s if overlap else None,
+        "acceptance": a, "draft_ms_per_token": t_d, "draft_shape": shape,
+        "resync_ms": resync if t_d is not None else None,
+        "ideal_k": ideal.k if ideal else None, "overlap_k": overlap.k if overlap else None,
+        "meas_over_ideal": _ratio(tok_s, ideal.tokens_per_s) if ideal and tok_s else None,
+        "meas_over_overlap": (
+            _ratio(tok_s, overlap.tokens_per_s) if overlap and tok_s else None
+        ),
+        "oracle_delay_steps": params.get("delay_steps") if kind == "oracle" else None,
+        "oracle_delay_ms": params.get("delay_ms") if kind == "oracle" else None,
+        "output_valid": all(r.get("valid_output", True) for r in runs),
+        "overlap_note": None if overlap else note,
+    }  # fmt: skip
+    return row
+
+
+def _round_ms(round_costs: dict[str, Any] | None, context: int | None) -> dict[int, float]:
+    costs = (round_costs or {}).get(str(context)) or {}
+    return {int(k): float(ms) for k, ms in (costs.get("round_ms") or {}).items() if ms}
+
+
 def summary_rows(
-    runs: list[dict[str, Any]], instances: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """One row per (context, k, mode), with its speed-up over plain at that context."""
+    runs: list[dict[str, Any]], instances: list[dict[str, Any]],
+    round_costs: dict[str, Any] | None = None, draft_shape: str = "core",
+) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per (context, k, mode), with its speed-up over plain at that context
+    and the ceiling keys (ROW_KEYS) from `round_costs` (the result's, by context)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault((run["context"], run["k"], run["mode"], run["kind"]), []).append(run)
@@ -231,6 +343,9 @@ def summary_rows(
         base = plain[0]["summary"]["tokens_per_s_median"] if plain else None
         mine = entry["summary"]["tokens_per_s_median"]
         entry["speedup_vs_plain"] = mine / base if base and mine else None
-    order = {"plain": 0, "builtin": 1, "proxy": 2, "oracle": 3}
-    entries.sort(key=lambda e: (e["context"] or 0, e["k"], order[e["kind"]], e["mode"]))
+        group = groups[(entry["context"], entry["k"], entry["mode"], entry["kind"])]
+        entry.update(
+            ceiling_keys(entry, group, _round_ms(round_costs, entry["context"]), base, draft_shape)
+        )
+    entries.sort(key=lambda e: (e["context"] or 0, e["k"], KIND_ORDER[e["kind"]], e["mode"]))
     return entries

@@ -44,7 +44,6 @@ import contextlib
 import json
 import logging
 import random
-import shlex
 import shutil
 import statistics
 import tempfile
@@ -55,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.host import host_info
-from proxy.bench.runner import _jsonable, _now, default_result_path, write_json
+from proxy.bench.options import Variant, comma_choices, context_list, int_list, parse_variant
+from proxy.bench.results import default_result_path, jsonable, now_utc, write_json
 from proxy.llama_server import find_llama_server
 from proxy.managed import ServerLayout, managed_server
 from proxy.upstream import (
@@ -76,12 +76,6 @@ CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
 # What the proxy asks back per result, plus the server's own timings of the round.
 TIMING_FIELDS = ["timings/prompt_n", "timings/prompt_ms", "timings/predicted_ms"]
 ROUND_FIELDS = [*VERIFY_FIELDS, *TIMING_FIELDS]
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    args: list[str]
 
 
 @dataclass
@@ -349,7 +343,7 @@ class Session:
         self.rows: list[dict[str, Any]] = []
         self.servers: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
-        self.started = _now()
+        self.started = now_utc()
         self.host = host_info(self.binary)
 
     @contextlib.asynccontextmanager
@@ -476,9 +470,9 @@ class Session:
         return {
             "schema": SCHEMA,
             "started_utc": self.started,
-            "finished_utc": _now() if finished else None,
+            "finished_utc": now_utc() if finished else None,
             "host": self.host,
-            "options": _jsonable(asdict(self.options)),
+            "options": jsonable(asdict(self.options)),
             "work_dir": str(self.work_dir),
             "servers": self.servers,
             "rows": self.rows,
@@ -490,6 +484,45 @@ async def run_verify_cost(
     options: VerifyCostOptions, progress: Path | None = None
 ) -> dict[str, Any]:
     return await Session(options).run(progress)
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """What `npu-spec bench` needs from this microbenchmark at one context: the
+    plain step (ms per token in the server's own loop) and the k+1-prompt round's
+    wall ms by k (t_v(k), client side, as the proxy's verify_ms counts it)."""
+
+    context: int
+    plain_ms: float | None
+    round_ms: dict[int, float]
+    result: dict[str, Any]  # the whole verify-cost result (servers, rows, errors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"context": self.context, "plain_ms": self.plain_ms,
+                "round_ms": {str(k): v for k, v in self.round_ms.items()},
+                "verify_cost": self.result}  # fmt: skip
+
+
+async def measure_round_costs(
+    target: Path, context: int, ks: Sequence[int], *, server_args: Sequence[str] = (),
+    threads: int | None = None, llama_server: Path | None = None, work_dir: Path | None = None,
+    repeats: int = 8, warmup: int = 2, plain_tokens: int = 32, startup_timeout: float = 600.0,
+) -> RoundCosts:  # fmt: skip
+    """Parts a and d at one context on one server started as managed mode starts it
+    (with `server_args`), with max(ks) + 1 slots."""
+    ks = sorted(set(ks))
+    options = VerifyCostOptions(
+        target=target, variants=[Variant("bench", list(server_args))], contexts=[context],
+        ks=ks, new_tokens=[], np_large=max(ks) + 1, np_ks=[], parts=["a", "d"],
+        repeats=repeats, warmup=warmup, plain_tokens=plain_tokens, threads=threads,
+        llama_server=llama_server, work_dir=work_dir, startup_timeout=startup_timeout,
+    )  # fmt: skip
+    result = await run_verify_cost(options)
+    if result["errors"]:
+        raise RuntimeError(f"measuring round costs at {context}: {result['errors']}")
+    plain = [r["ms_median"] for r in result["rows"] if r["part"] == "a"]
+    rounds = {r["k"]: r["ms_median"] for r in result["rows"] if r["part"] == "d"}
+    return RoundCosts(context, plain[0] if plain else None, rounds, result)
 
 
 # -- output -----------------------------------------------------------------------
@@ -542,33 +575,12 @@ def render_table(result: dict[str, Any]) -> str:
 # -- command line -----------------------------------------------------------------
 
 
-def _int_list(text: str) -> list[int]:
-    if text.strip().lower() in ("", "none"):
-        return []
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def _contexts(text: str) -> list[int]:
     """'512,4k' -> [512, 4096]."""
-    out = []
-    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
-        out.append(int(float(item[:-1]) * 1024) if item.endswith("k") else int(item))
-    return out
-
-
-def parse_variant(text: str) -> Variant:
-    """'fa-off=-ngl 99 -fa off' -> Variant('fa-off', ['-ngl', '99', '-fa', 'off'])."""
-    name, sep, args = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: write NAME=ARGS, e.g. 'base=-ngl 99'")
-    if not name.strip():
-        raise argparse.ArgumentTypeError(f"variant {text!r} has no name")
-    return Variant(name.strip(), shlex.split(args))
+    return [c for c in context_list(text, natural=False) if c is not None]
 
 
 def _parts(text: str) -> list[str]:
-    from proxy.bench.cli import comma_choices
-
     return comma_choices(text, tuple(PARTS), "parts")
 
 
@@ -587,16 +599,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context", type=_contexts, default=[512], dest="contexts", help="e.g. 512,4k"
     )
-    parser.add_argument("-k", type=_int_list, default=[1, 2, 4, 6, 8], dest="ks", help="d's k")
+    parser.add_argument("-k", type=int_list, default=[1, 2, 4, 6, 8], dest="ks", help="d's k")
     parser.add_argument(
-        "--new-tokens", type=_int_list, default=[1, 3, 5, 7, 9], help="c's m (1 is b's row)"
+        "--new-tokens", type=int_list, default=[1, 3, 5, 7, 9], help="c's m (1 is b's row)"
     )
     parser.add_argument(
         "--np-large", type=int, default=9, help="slots of the main server (>= max k + 1)"
     )
     parser.add_argument(
         "--np-ks",
-        type=_int_list,
+        type=int_list,
         default=[4],
         help="e: for these k, -np k+1 vs --np-large with idle slots full ('none' skips)",
     )

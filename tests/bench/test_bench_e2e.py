@@ -1,7 +1,8 @@
 """`npu-spec bench` end to end on CPU with the small factory models.
 
 Asserts only that the session completes, that the JSON holds the documented
-fields, and that every mode wrote what plain llama-server writes: never a speed.
+fields (the ceiling columns and row keys of issue 16 among them), and that every mode
+but builtin-synth wrote what plain llama-server writes: never a speed.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import pytest
 
 from proxy import bench_cmd
 from proxy.bench.cli import options_from_args
+from proxy.bench.modes import synth_rates
 from proxy.bench.report import render_table
 from proxy.bench.runner import RESULT_FIELDS, RUN_FIELDS, BenchOptions, run_bench, write_json
+from proxy.bench.stats import ROW_KEYS
 
 SUMMARY_FIELDS = (
     "tokens_per_s_median", "tokens_per_s_min", "tokens_per_s_max", "tokens_per_s_repeats",
@@ -36,7 +39,8 @@ def test_cli_options_parse(tmp_path: Path) -> None:
     args = parser.parse_args(
         ["--models", str(tmp_path), "-k", "2,4,6,8", "--context", "natural,512,4k",
          "--server-args=-ngl 99 -fa on", "--oracle-acceptance", "0.6,0.8",
-         "--oracle-delay-ms", "11", "--modes", "plain,oracle", "--repeats", "2"]
+         "--oracle-delay-ms", "11", "--modes", "plain,oracle,builtin-synth", "--repeats", "2",
+         "--oracle-delay-steps", "0.12,0.27", "--ceiling-ks", "1,2,4"]
     )  # fmt: skip
     options = options_from_args(args)
     assert options.target == tmp_path / "target.gguf"
@@ -45,7 +49,12 @@ def test_cli_options_parse(tmp_path: Path) -> None:
     assert options.contexts == [None, 512, 4096]
     assert options.server_args == ["-ngl", "99", "-fa", "on"]
     assert options.oracle_acceptance == [0.6, 0.8]
-    assert options.modes == ["plain", "oracle"]
+    assert options.modes == ["plain", "oracle", "builtin-synth"]
+    assert options.oracle_delay_steps == [0.12, 0.27]
+    assert options.ceiling_ks == [1, 2, 4]
+    assert options.draft_shape == "core"  # no manifest.json in tmp_path
+    (tmp_path / "manifest.json").write_text(json.dumps({"draft_shape": "qwen3-0.6b"}))
+    assert options_from_args(args).draft_shape == "qwen3-0.6b"
     with pytest.raises(SystemExit):
         parser.parse_args(["--modes", "plain,turbo"])
 
@@ -60,7 +69,7 @@ async def test_bench_all_modes_complete_and_match_plain(
         target=models / "target.gguf",
         draft_gguf=models / "draft.gguf",
         drafter=models / "draft",
-        modes=["plain", "builtin", "proxy", "oracle"],
+        modes=["plain", "builtin", "builtin-synth", "proxy", "oracle"],
         ks=[3],
         contexts=[192],  # exercises padding and the long prompt, kept short for CPU
         repeats=1,
@@ -69,7 +78,9 @@ async def test_bench_all_modes_complete_and_match_plain(
         threads=1,
         provider="cpu",
         oracle_acceptance=[0.7],
-        oracle_delay_ms=1.0,
+        oracle_delay_steps=[0.1],  # of the plain step measured at this context
+        ceiling_ks=[1, 2, 3],
+        ceiling_repeats=2,
         llama_server=llama_server_bin,
         work_dir=tmp_path / "work",
         # 12 tokens a request: plain runs (the default) would take over after the first
@@ -85,17 +96,40 @@ async def test_bench_all_modes_complete_and_match_plain(
     assert result["errors"] == []
     assert [r["prompt"] for r in result["references"]] == ["edit-bugfix", "long-report"]
     assert all(150 <= r["n_prompt"] <= 230 for r in result["references"])
+    costs = result["round_costs"]["192"]
+    assert costs["plain_ms"] > 0
+    assert sorted(costs["round_ms"]) == ["1", "2", "3"]
+    assert all(ms > 0 for ms in costs["round_ms"].values())
     modes = [e["kind"] for e in result["summary"]]
-    assert modes == ["plain", "builtin", "proxy", "oracle"]
-    assert len(result["runs"]) == 4 * 2
+    assert modes == ["plain", "builtin", "builtin-synth", "proxy", "oracle"]
+    assert len(result["runs"]) == 5 * 2
     for run in result["runs"]:
         assert tuple(run) == RUN_FIELDS
         assert run["n_generated"] > 0
+        if run["kind"] == "builtin-synth":  # benchmarking only: never compared
+            assert run["equal_to_plain"] is None and not run["valid_output"]
+            continue
         assert run["exact_checked"]  # token for token, not only what the stream shows
         assert run["equal_to_plain"], f"{run['mode']} {run['prompt']}: {run['first_mismatch']}"
+    rows = {e["kind"]: e for e in result["summary"]}
     for entry in result["summary"]:
         summary = entry["summary"]
         assert set(SUMMARY_FIELDS) <= set(summary)
+        assert set(ROW_KEYS) <= set(entry)
+        assert entry["plain_tok_s"] == rows["plain"]["tok_s"] > 0
+        if entry["kind"] == "plain":
+            assert entry["ideal_tok_s"] is None and entry["draft_shape"] is None
+            continue
+        # every drafting row: its acceptance, both ceilings and its drafter's cost
+        assert 0 <= entry["acceptance"] <= 1
+        assert entry["ideal_tok_s"] > 0 and entry["ideal_k"] in (1, 2, 3)
+        assert entry["draft_ms_per_token"] >= 0, entry["overlap_note"]
+        assert 0 < entry["overlap_tok_s"] <= entry["ideal_tok_s"] * (1 + 1e-9)
+        assert entry["meas_over_overlap"] == pytest.approx(entry["tok_s"] / entry["overlap_tok_s"])
+        assert entry["draft_shape"] == ("oracle" if entry["kind"] == "oracle" else "core")
+        if entry["kind"] == "builtin-synth":
+            assert summary["n_compared"] == 0 and not entry["output_valid"]
+            continue
         assert summary["n_equal_to_plain"] == summary["n_runs"] == 2
         assert summary["memory"]["rss_mb.llama-server"] > 0
         if entry["kind"] in ("proxy", "oracle"):
@@ -107,5 +141,17 @@ async def test_bench_all_modes_complete_and_match_plain(
             assert summary["drafted"] >= summary["rounds"] - 2  # but each prompt's last
         if entry["kind"] == "builtin":
             assert summary["drafted"] > 0
+    # llama.cpp's own drafter timer, from its log (-lv 4)
+    assert rows["builtin"]["summary"]["draft_ms_per_token"] > 0
+    assert rows["builtin-synth"]["summary"]["draft_ms_per_token"] > 0
+    oracle = rows["oracle"]
+    assert oracle["oracle_delay_steps"] == 0.1
+    assert oracle["oracle_delay_ms"] == pytest.approx(0.1 * costs["plain_ms"])
+    assert oracle["draft_ms_per_token"] == oracle["oracle_delay_ms"]
+    # the server really accepted at random: its own log says so, with our rates
+    synth_log = (tmp_path / "work" / "logs" / "ctx192-k3-r0-builtin-synth-a0.7.log").read_text()
+    assert "generated output is not valid" in synth_log
+    assert f"rates = [{synth_rates(0.7, 3).replace(',', ', ')}]" in synth_log
     table = render_table(result)
-    assert "oracle(a=0.7,1ms)" in table and "builtin" in table
+    assert oracle["mode"] in table and "builtin-synth(a=0.7)" in table
+    assert "not valid" in table and "meas/overlap" in table

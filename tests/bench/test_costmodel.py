@@ -13,7 +13,8 @@ from proxy.bench.costmodel import (
     expected_tokens_per_round,
     predict,
 )
-from proxy.bench.prom import delta, parse_metrics, per_position
+from proxy.bench.prom import delta, per_position
+from proxy.upstream import parse_prometheus
 
 
 def test_expected_tokens_per_round_limits() -> None:
@@ -78,8 +79,58 @@ def test_prometheus_parsing_and_deltas() -> None:
         'npu_spec_draft_tokens_per_position_total{position="0"} 5\n'
         'npu_spec_draft_ms_bucket{le="+Inf"} 4\n'
     )
-    before = parse_metrics(text)
-    after = parse_metrics(text.replace(" 12\n", " 20\n"))
+    before = parse_prometheus(text)
+    after = parse_prometheus(text.replace(" 12\n", " 20\n"))
     assert delta(after, before)["llamacpp:n_decode_total"] == 8
     assert per_position(before, "npu_spec_draft_tokens_per_position_total") == [5, 3]
     assert per_position(before, "missing") == []
+
+
+# -- ceilings (issue 16) ------------------------------------------------------------
+
+
+def test_ideal_ceiling_is_the_best_k_of_e_over_round_cost() -> None:
+    from proxy.bench.costmodel import ideal_ceiling
+
+    rounds = {1: 10.0, 2: 11.0, 4: 20.0}  # ms
+    a = 0.8
+    expected = {k: 1e3 * expected_tokens_per_round(a, k) / ms for k, ms in rounds.items()}
+    best = ideal_ceiling(a, rounds)
+    assert best is not None
+    assert best.k == max(expected, key=expected.get) == 2
+    assert best.tokens_per_s == pytest.approx(1e3 * (1 + 0.8 + 0.64) / 11.0)
+    assert ideal_ceiling(a, {}) is None
+
+
+def test_overlap_round_and_ceiling() -> None:
+    from proxy.bench.costmodel import ideal_ceiling, overlap_ceiling, overlap_round_ms
+
+    # T(k) = t_v + (1 - a^(k+1)) (t_resync + k t_d)
+    assert overlap_round_ms(0.5, 2, 10.0, 3.0, 1.0) == pytest.approx(10 + 0.875 * (1 + 6))
+    assert overlap_round_ms(1.0, 4, 10.0, 3.0, 1.0) == 10.0  # all accepted: fully hidden
+    assert overlap_round_ms(0.0, 4, 10.0, 3.0, 1.0) == pytest.approx(10 + 1 + 12)
+    rounds = {1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5, 6: 13.0, 8: 15.0}
+    for a in (0.3, 0.6, 0.8, 0.95):
+        ideal = ideal_ceiling(a, rounds)
+        free = overlap_ceiling(a, rounds, 0.0, 0.0)
+        dear = overlap_ceiling(a, rounds, 5.0, 2.0)
+        assert ideal is not None and free is not None and dear is not None
+        assert free.tokens_per_s == pytest.approx(ideal.tokens_per_s)  # a free draft
+        assert dear.tokens_per_s < ideal.tokens_per_s
+        assert dear.k <= ideal.k  # a dear draft prefers shorter rounds
+        by_hand = max(
+            1e3 * expected_tokens_per_round(a, k) / (ms + (1 - a ** (k + 1)) * (2 + 5 * k))
+            for k, ms in rounds.items()
+        )
+        assert dear.tokens_per_s == pytest.approx(by_hand)
+
+
+@pytest.mark.parametrize("a", [0.3, 0.6, 0.77, 0.9])
+@pytest.mark.parametrize("k", [1, 2, 4, 6])
+def test_acceptance_from_ratio_inverts_the_fixed_k_ratio(a: float, k: int) -> None:
+    from proxy.bench.costmodel import acceptance_from_ratio, expected_accepted_per_round
+
+    ratio = expected_accepted_per_round(a, k) / k
+    assert acceptance_from_ratio(ratio, k) == pytest.approx(a, abs=1e-9)
+    with pytest.raises(ValueError):
+        acceptance_from_ratio(1.5, k)
