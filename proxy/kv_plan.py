@@ -16,6 +16,7 @@ import gguf
 from proxy.managed import ServerLayout, verification_flags
 
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,9 @@ def plan_lines(plan: KvPlan, model: Path, slot_save_dir: Path) -> list[str]:
         f"{layout.passthrough_slots} pass-through = {layout.slots}, "
         f"{layout.slot_ctx} tokens each",
         f"KV cache: {plan.kv_bytes / MIB:.2f} MiB for {plan.cells} cells "
-        f"(llama-server alone with -c {layout.slot_ctx}: {plan.alone_bytes / MIB:.2f} MiB; "
-        f"extra: {(plan.kv_bytes - plan.alone_bytes) / MIB:.2f} MiB)",
+        f"({plan.kv_bytes / GIB:.2f} GiB; llama-server alone with -c {layout.slot_ctx}: "
+        f"{plan.alone_bytes / GIB:.2f} GiB; extra: {(plan.kv_bytes - plan.alone_bytes) / GIB:.2f}"
+        " GiB)",
     ]
     if shape.sliding_window:
         lines.append(
