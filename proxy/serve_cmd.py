@@ -499,7 +499,7 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
     from proxy.api import build_state, create_app
     from proxy.attach_check import check_upstream
     from proxy.managed import ServerLayout, ServerSupervisor, managed_server, write_key_file
-    from proxy.upstream import Timeouts, UpstreamClient
+    from proxy.upstream import Timeouts, UpstreamClient, UpstreamClientError, UpstreamError
 
     server = None
     supervisor = None
@@ -568,7 +568,13 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
         upstream = UpstreamClient(
             base_url, Timeouts(verify=settings.verify_timeout_s), api_key=own_key
         )
-        facts = await target_tokenizer_facts(upstream)
+        try:
+            facts = await target_tokenizer_facts(upstream)
+        except (UpstreamError, UpstreamClientError) as error:
+            raise UserError(
+                f"cannot read the target's tokenizer: {error}",
+                "check that llama-server runs there (npu-spec doctor --upstream URL)",
+            ) from None
         try:
             open_drafter, model = await asyncio.to_thread(_drafter_opener, settings, facts)
         except (

@@ -57,3 +57,9 @@ def test_grep_pattern_names_real_metrics() -> None:
     matched = {name for name in names if regex.match(name)}
     for wanted in ("accepted_tokens_total", "speculative_ms_per_token", "plain_run_tokens_total"):
         assert f"npu_spec_{wanted}" in matched
+
+
+def test_the_readme_attached_example_has_the_planned_flags() -> None:
+    commands = [c for c in shell_commands(REPO / "README.md") if c[0] == "llama-server"]
+    planned = verification_flags(ServerLayout(4, 4096), Path("/tmp/slots"))
+    assert commands == [["llama-server", "-m", "model.gguf", "--port", "8081", *planned]]

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 
+import aiohttp
 import pytest
 
-from proxy import doctor
+from proxy import doctor, serve_cmd
 from proxy.attach_check import check_upstream
 from proxy.config import ProxySettings
+from proxy.llama_server import free_port
 from proxy.serve_cmd import serve
 from tests.proxy.conftest import run_proxy
 
@@ -53,3 +56,30 @@ async def test_a_server_without_unified_kv_is_named(start_server, demo_models) -
     findings = await check_upstream(server.base_url, k=3)
     unified = [f for f in findings if f.fix == "-kvu"]
     assert len(unified) == 1 and "without a unified KV cache" in unified[0].message, findings
+
+
+async def test_server_arg_gives_a_flag_its_value(demo_models, llama_server_bin) -> None:
+    """`--server-arg "--alias 'quick start'"` reaches the managed llama-server as two
+    arguments: the server then names its model that way."""
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    port = free_port()
+    args = parser.parse_args(
+        ["--target", str(demo_models / "target.gguf"), "--llama-server", str(llama_server_bin),
+         "-k", "1", "--ctx", "256", "--threads", "1", "--port", str(port),
+         "--server-arg", "--alias 'quick start'", "--server-arg=--no-warmup"]
+    )  # fmt: skip
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve(serve_cmd.settings_from_args(args), ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 180)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/v1/models") as response,
+        ):
+            models = await response.json()
+        assert [m["id"] for m in models["data"]] == ["quick start"]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
