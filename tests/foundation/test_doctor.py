@@ -105,6 +105,7 @@ async def test_plan_matches_the_kv_cache_llama_server_allocates(
     command = shlex.split(lines[-1])
     assert command[:3] == ["llama-server", "-m", str(demo_models / "target.gguf")]
     flags = [str(tmp_path) if arg == "SLOTS" else arg for arg in command[3:]]
+    flags += ["-lv", "4"]  # llama_kv_cache's size line is logged at verbosity 4 (trace)
     server = await start_server(demo_models / "target.gguf", flags)
     log = server.log_path.read_text(errors="replace")
     reported = re.findall(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells", log)
