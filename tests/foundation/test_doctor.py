@@ -107,7 +107,8 @@ async def test_plan_matches_the_kv_cache_llama_server_allocates(
     flags = [str(tmp_path) if arg == "SLOTS" else arg for arg in command[3:]]
     flags += ["-lv", "4"]  # llama_kv_cache's size line is logged at verbosity 4 (trace)
     server = await start_server(demo_models / "target.gguf", flags)
-    log = server.log_path.read_text(errors="replace")
+    # the log file is appended to by every run of this test: read this run's part
+    log = server.log_path.read_text(errors="replace").split("load_model: loading model")[-1]
     reported = re.findall(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells", log)
     assert len(reported) == 1, log[-3000:]
     assert reported[0] == planned.groups(), (reported, lines)
