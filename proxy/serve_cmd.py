@@ -328,10 +328,9 @@ alone needs "=" (else it reads as an option of npu-spec):
 """
 
 # settings field -> the flag that sets it, for error messages
-FLAGS: dict[str, str] = {
-    options.get("dest", flags[0].lstrip("-").replace("-", "_")): flags[0]
-    for flags, options in _OPTIONS
-}
+FLAGS: dict[str, str] = {}
+for _flags, _options in _OPTIONS:  # the first option of a setting names it (--overlap)
+    FLAGS.setdefault(_options.get("dest", _flags[0].lstrip("-").replace("-", "_")), _flags[0])
 
 
 def _help(options: dict[str, Any], dest: str) -> dict[str, Any]:
