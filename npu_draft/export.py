@@ -222,7 +222,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="genai",
         help="genai: ONNX Runtime GenAI folder (runs on both backends); onnx: plain decoder",
     )
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="weights: fp32, or int4 (smaller and faster, a little less accurate)",
+    )
     parser.add_argument(
         "--max-context",
         type=int,

@@ -6,9 +6,14 @@ command refuses (or degrades) on errors, and `npu-spec doctor --upstream` prints
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import aiohttp
+
+from proxy.local_server import kv_unified, local_server_command
 from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 Severity = Literal["error", "warning", "ok"]
@@ -66,9 +71,62 @@ async def _probe_rounds(upstream: UpstreamClient, k: int, rounds: int = 3) -> li
     return out
 
 
+SPEC_HEADER = "X-Npu-Spec"  # on every response of the npu-spec proxy
+
+
+async def is_npu_spec_proxy(base_url: str) -> bool:
+    """Whether `base_url` is an npu-spec proxy: its answers carry X-Npu-Spec."""
+    timeout = aiohttp.ClientTimeout(total=10)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(base_url + "/health") as response,
+        ):
+            return SPEC_HEADER in response.headers
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return False  # the health check below reports an unreachable server
+
+
+def _unified_kv_finding(command: tuple[Sequence[str], Mapping[str, str]] | None) -> Finding:
+    if command is None:
+        # /props does not say whether the KV cache is unified, and the batch split
+        # it causes happens inside one llama_decode: only the command line tells.
+        return Finding(
+            "warning",
+            "cannot see llama-server's command line (not a process on this machine), so "
+            "cannot check unified KV; without it each round costs about k+1 passes",
+            "-kvu",
+        )
+    if kv_unified(*command):
+        return Finding("ok", "unified KV cache on (llama-server's command line)")
+    return Finding(
+        "warning",
+        "llama-server runs without a unified KV cache: each round costs about k+1 passes",
+        "-kvu",
+    )
+
+
 async def check_upstream(
-    base_url: str, k: int, conversations: int = 1, api_key: str | None = None
+    base_url: str,
+    k: int,
+    conversations: int = 1,
+    api_key: str | None = None,
+    server_command: tuple[Sequence[str], Mapping[str, str]] | None = None,
 ) -> list[Finding]:
+    """Findings about the llama-server at `base_url`; `server_command` (argv and
+    environment) where the caller knows how it was started, else read from /proc
+    when it runs on this machine."""
+    if await is_npu_spec_proxy(base_url):
+        return [
+            Finding(
+                "error",
+                f"{base_url} is an npu-spec proxy (its answers carry {SPEC_HEADER}), "
+                "not llama-server",
+                "point --upstream at the llama-server behind the proxy",
+            )
+        ]
+    if server_command is None:
+        server_command = await asyncio.to_thread(local_server_command, base_url)
     findings: list[Finding] = []
     async with UpstreamClient(base_url, api_key=api_key) as upstream:
         try:
@@ -148,14 +206,5 @@ async def check_upstream(
                     "--slot-save-path DIR",
                 )
             )
-        # /props does not say whether the KV cache is unified, and the batch split
-        # it causes happens inside one llama_decode: it cannot be measured here.
-        findings.append(
-            Finding(
-                "warning",
-                "cannot verify unified KV through the API; without it each round costs "
-                "about k+1 passes",
-                "-kvu",
-            )
-        )
+        findings.append(_unified_kv_finding(server_command))
     return findings

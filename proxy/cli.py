@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from proxy.user_errors import UserError
+
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("proxy.serve_cmd", "run the speculative proxy in front of llama-server"),
@@ -62,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return int(_module(args._module).run(args) or 0)
+    try:
+        return int(_module(args._module).run(args) or 0)
+    except UserError as error:  # a mistake the user can fix: one line, no traceback
+        print(f"npu-spec {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

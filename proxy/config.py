@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -94,10 +94,15 @@ class ProxySettings(BaseSettings):
     restart_server: bool = Field(True, description="managed: restart a llama-server that died")
     max_restarts: int = Field(5, ge=0, description="managed: restarts allowed per 10 minutes")
 
+    @field_validator("upstream")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        return None if url is None else normalize_upstream_url(url)
+
     @model_validator(mode="after")
     def _one_target(self) -> ProxySettings:
         if (self.target is None) == (self.upstream is None):
-            raise ValueError("give exactly one of --target model.gguf or --upstream URL")
+            raise ValueError(ONE_TARGET)
         if self.upstream is not None and urlsplit(self.upstream).password is not None:
             # it would show in logs and error messages: keys go in upstream_api_key
             raise ValueError("put the upstream's key in upstream_api_key, not in the URL")
@@ -109,14 +114,54 @@ class ProxySettings(BaseSettings):
 
 
 SECRET_FIELDS = frozenset({"api_key", "upstream_api_key"})
+ONE_TARGET = (
+    "give exactly one of --target MODEL.gguf (the proxy starts llama-server) or "
+    "--upstream URL (attach to a llama-server you run)"
+)
+
+
+def normalize_upstream_url(url: str) -> str:
+    """`url` with http:// added when it has no scheme ("localhost:8081"); any scheme
+    other than http or https is refused with a hint."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"upstream must be an http:// or https:// URL such as http://127.0.0.1:8081, "
+            f"not {parts.scheme}://..."
+        )
+    return url
+
+
+def settings_error_lines(error: ValidationError, flags: dict[str, str] | None = None) -> list[str]:
+    """One line per problem, naming the option (`flags`: setting -> command-line flag)
+    and its environment variable."""
+    lines = []
+    for problem in error.errors():
+        message = str(problem["msg"]).removeprefix("Value error, ")
+        if problem["loc"]:
+            name = str(problem["loc"][0])
+            shown = (flags or {}).get(name, name)
+            message = f"{shown} (NPU_SPEC_{name.upper()}): {message}"
+        lines.append(message)
+    return lines
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (OSError, ValueError) as error:  # tomllib and json errors are ValueErrors
+        raise ConfigFileError(f"config file {path}: {error}") from None
     # allow `llama-server = ...` as well as `llama_server = ...`
     return {str(key).replace("-", "_"): value for key, value in data.items()}
+
+
+class ConfigFileError(ValueError):
+    """A config file that is missing or does not parse."""
 
 
 def load_settings(

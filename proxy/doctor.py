@@ -6,8 +6,11 @@ import argparse
 import asyncio
 import importlib.metadata
 from collections.abc import Callable
+from pathlib import Path
 
+from proxy.config import normalize_upstream_url
 from proxy.llama_server import LlamaServerNotFound, find_llama_server, server_version
+from proxy.user_errors import UserError
 
 NPU_PROVIDER = "VitisAIExecutionProvider"
 
@@ -63,6 +66,10 @@ def upstream_report(url: str, k: int, conversations: int) -> tuple[list[str], bo
     from proxy.attach_check import check_upstream
 
     try:
+        url = normalize_upstream_url(url)
+    except ValueError as error:
+        return [f"upstream {url}: FAIL - {error}"], False
+    try:
         findings = asyncio.run(check_upstream(url, k=k, conversations=conversations))
     except Exception as error:  # an unreachable server is a finding, not a crash
         return [f"upstream {url}: UNREACHABLE - {error}"], False
@@ -76,18 +83,96 @@ def upstream_report(url: str, k: int, conversations: int) -> tuple[list[str], bo
     return lines, healthy
 
 
+def plan_report(args: argparse.Namespace) -> list[str]:
+    from proxy.kv_plan import KvPlan, plan_lines, read_kv_shape
+    from proxy.managed import ServerLayout
+
+    if args.model is None:
+        raise UserError("--plan needs the target model", "add --model MODEL.gguf")
+    model = Path(args.model).expanduser()
+    if not model.is_file():
+        raise UserError(f"model {model} does not exist", "give --model the path of a .gguf file")
+    try:
+        shape = read_kv_shape(model)
+    except (ValueError, KeyError, TypeError) as error:
+        raise UserError(f"{model} does not read as a GGUF model ({error})") from None
+    layout = ServerLayout(args.k, args.ctx, args.conversations, args.passthrough_slots)
+    try:
+        plan = KvPlan(layout, shape, args.cache_type_k, args.cache_type_v)
+        return plan_lines(plan, model, Path(args.slot_save_path))
+    except ValueError as error:
+        raise UserError(str(error), "use a llama.cpp cache type such as f16 or q8_0") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--llama-server", default=None, help="llama-server binary to check")
     parser.add_argument(
-        "--upstream", default=None, help="URL of a running llama-server to check for verification"
+        "--llama-server", default=None, metavar="PATH", help="llama-server binary to check"
     )
-    parser.add_argument("-k", type=int, default=4, help="draft length to check slots for")
     parser.add_argument(
-        "--conversations", type=int, default=1, help="concurrent conversations to plan slots for"
+        "--upstream",
+        default=None,
+        metavar="URL",
+        help="URL of a running llama-server to check for verification (http:// is assumed "
+        "without a scheme)",
+    )
+    parser.add_argument(
+        "-k", type=int, default=4, help="draft length to check slots for (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=1,
+        metavar="N",
+        help="concurrent conversations to plan slots for (default: %(default)s)",
+    )
+    plan = parser.add_argument_group(
+        "--plan", "print the llama-server flags for a model, k and context, and the KV memory"
+    )
+    plan.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the llama-server command line and its KV cache size, then exit",
+    )
+    plan.add_argument("--model", metavar="GGUF", help="--plan: the target model")
+    plan.add_argument(
+        "--ctx",
+        type=int,
+        default=4096,
+        metavar="TOKENS",
+        help="--plan: context per conversation (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--passthrough-slots",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--plan: extra slots for passed-through requests (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--cache-type-k",
+        default="f16",
+        metavar="TYPE",
+        help="--plan: llama-server's -ctk (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--cache-type-v",
+        default="f16",
+        metavar="TYPE",
+        help="--plan: llama-server's -ctv (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--slot-save-path",
+        default="/tmp/npu-spec-slots",
+        metavar="DIR",
+        help="--plan: the folder for --slot-save-path in the printed flags (default: %(default)s)",
     )
 
 
 def run(args: argparse.Namespace, echo: Callable[[str], None] = print) -> int:
+    if getattr(args, "plan", False):
+        for line in plan_report(args):
+            echo(line)
+        return 0
     ok = True
     lines, found = llama_server_report(args.llama_server)
     ok &= found or args.upstream is not None  # attached mode needs no local binary

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import secrets
+import shlex
 import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,25 +21,73 @@ from urllib.parse import urlsplit, urlunsplit
 from aiohttp import web
 from pydantic import ValidationError
 
-from proxy.config import ProxySettings, load_settings
+from npu_draft.load import parse_ngram_spec
+from proxy.config import ConfigFileError, ProxySettings, load_settings, settings_error_lines
+from proxy.llama_server import LlamaServerNotFound, LlamaServerStartError, find_llama_server
+from proxy.user_errors import UserError
 
 log = logging.getLogger(__name__)
 
 # option -> settings field; every option defaults to "not given" so the environment
-# and the config file can supply it.
+# and the config file can supply it. Help texts that end in "(default: ...)" get the
+# default from ProxySettings, so help and behaviour cannot disagree.
 _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("--target",), {"help": "GGUF model: start llama-server with the right flags"}),
-    (("--upstream",), {"help": "URL of a running llama-server to attach to"}),
-    (("--drafter",), {"help": "drafter folder, 'ngram[:sizes]' or 'FOLDER+ngram'"}),
-    (("--provider",), {"help": "drafter execution provider: auto, npu, cuda, cpu"}),
-    (("--drafter-threads",), {"type": int, "dest": "drafter_threads"}),
-    (("-k",), {"type": int, "dest": "k", "help": "most draft tokens per round"}),
+    (
+        ("--target",),
+        {
+            "metavar": "GGUF",
+            "help": "managed mode: the GGUF model; the proxy starts llama-server "
+            "with the flags verification needs and stops it on exit (give this or --upstream)",
+        },
+    ),
+    (
+        ("--upstream",),
+        {
+            "metavar": "URL",
+            "help": "attached mode: URL of a llama-server you run, e.g. "
+            "http://127.0.0.1:8081 (http:// is assumed without a scheme; give this or --target)",
+        },
+    ),
+    (
+        ("--drafter",),
+        {
+            "metavar": "DRAFTER",
+            "help": "drafter folder (exported ONNX or ONNX Runtime GenAI), "
+            "'ngram[:sizes]' (prompt lookup, no model) or 'FOLDER+ngram'; none: every request "
+            "passes through (default: %(default)s)",
+        },
+    ),
+    (
+        ("--provider",),
+        {
+            "choices": ["auto", "npu", "cuda", "cpu"],
+            "help": "where the drafter runs; auto tries "
+            "the NPU, then CUDA, then the CPU (default: %(default)s)",
+        },
+    ),
+    (
+        ("--drafter-threads",),
+        {
+            "type": int,
+            "metavar": "N",
+            "dest": "drafter_threads",
+            "help": "CPU threads for the drafter (default: all cores this process may use)",
+        },
+    ),
+    (
+        ("-k",),
+        {
+            "type": int,
+            "metavar": "N",
+            "dest": "k",
+            "help": "most draft tokens per round, 0-16 (default: %(default)s)",
+        },
+    ),
     (
         ("--fixed-k",),
         {
             "action": "store_false",
             "dest": "adaptive_k",
-            "default": None,
             "help": "always draft k tokens (default: choose per round, up to k)",
         },
     ),
@@ -45,8 +96,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         {
             "choices": ["auto", "on", "off"],
             "dest": "overlap",
-            "help": "draft while the server verifies: auto (default; measured, kept where it "
-            "pays), on, off",
+            "help": "draft while the server verifies: auto (measured, kept where it pays), "
+            "on, off (default: %(default)s)",
         },
     ),
     (
@@ -60,17 +111,18 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
             "dest": "predraft",
             "help": "on: while the server verifies, also draft after the draft's likeliest "
             "runner-up, so a round whose correction (or bonus) is that token starts with its "
-            "draft ready; off (default)",
+            "draft ready (default: off)",
         },
     ),
     (
         ("--branch-prompts",),
         {
             "type": int,
+            "metavar": "N",
             "dest": "branch_prompts",
             "help": "most extra prompts per round that verify a second continuation starting "
-            "at the draft's runner-up, used where the measured costs say it pays (default 0: "
-            "off); they share the round's k+1 slots",
+            "at the draft's runner-up, used where the measured costs say it pays; they share "
+            "the round's k+1 slots; 0 is off (default: %(default)s)",
         },
     ),
     (
@@ -78,54 +130,235 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         {
             "choices": ["auto", "off"],
             "dest": "plain_runs",
-            "help": "auto (default): while speculating costs more per token than letting "
-            "llama-server decode alone (both measured), requests go on in plain runs (seeded "
-            "sampling requests always speculate); off: always speculate",
+            "help": "auto: while speculating costs more per token than letting llama-server "
+            "decode alone (both measured), requests go on in plain runs (seeded sampling "
+            "requests always speculate); off: always speculate (default: %(default)s)",
         },
     ),
-    (("--host",), {"help": "address to listen on (default 127.0.0.1)"}),
-    (("--port",), {"type": int, "help": "port to listen on (default 8080)"}),
-    (("--llama-server",), {"dest": "llama_server", "help": "llama-server binary"}),
-    (("--ctx",), {"type": int, "help": "context per conversation in tokens (managed)"}),
-    (("--conversations",), {"type": int, "help": "concurrent speculative conversations"}),
-    (("--passthrough-slots",), {"type": int, "dest": "passthrough_slots"}),
-    (("--threads",), {"type": int, "help": "llama-server -t (managed)"}),
-    (("--server-port",), {"type": int, "dest": "server_port"}),
-    (("--server-log",), {"dest": "server_log", "help": "file for llama-server's log"}),
+    (("--host",), {"help": "address the proxy listens on (default: %(default)s)"}),
+    (("--port",), {"type": int, "help": "port the proxy listens on (default: %(default)s)"}),
+    (
+        ("--llama-server",),
+        {
+            "metavar": "PATH",
+            "dest": "llama_server",
+            "help": "managed: the llama-server binary "
+            "(default: $LLAMA_SERVER, then llama-server on PATH, then `npu-spec install-server`'s)",
+        },
+    ),
+    (
+        ("--ctx",),
+        {
+            "type": int,
+            "metavar": "TOKENS",
+            "help": "managed: context per conversation; every "
+            "one of its k+1 slots gets this much KV cache (default: %(default)s)",
+        },
+    ),
+    (
+        ("--conversations",),
+        {
+            "type": int,
+            "metavar": "N",
+            "help": "managed: speculative conversations at once, "
+            "k+1 slots each (default: %(default)s); attached: the number to check slots for",
+        },
+    ),
+    (
+        ("--passthrough-slots",),
+        {
+            "type": int,
+            "metavar": "N",
+            "dest": "passthrough_slots",
+            "help": "managed: extra slots for requests that pass through (default: %(default)s)",
+        },
+    ),
+    (
+        ("--threads",),
+        {
+            "type": int,
+            "metavar": "N",
+            "help": "managed: llama-server -t (default: llama-server's own choice)",
+        },
+    ),
+    (
+        ("--server-port",),
+        {
+            "type": int,
+            "metavar": "PORT",
+            "dest": "server_port",
+            "help": "managed: port for llama-server on 127.0.0.1 (default: a free one)",
+        },
+    ),
+    (
+        ("--server-log",),
+        {
+            "metavar": "FILE",
+            "dest": "server_log",
+            "help": "managed: append llama-server's log to FILE (default: discarded)",
+        },
+    ),
     (
         ("--server-arg",),
-        {"action": "append", "dest": "server_args", "help": "extra llama-server argument"},
+        {
+            "action": "extend",
+            "type": shlex.split,
+            "metavar": "'ARGS'",
+            "dest": "server_args",
+            "help": "managed: more llama-server arguments, split like a shell line; "
+            "repeatable: --server-arg '-ngl 99' --server-arg=--no-mmap (default: none)",
+        },
     ),
-    (("--when-busy",), {"choices": ["queue", "passthrough"], "dest": "when_busy"}),
-    (("--check-decodes",), {"action": "store_true", "dest": "check_decodes", "default": None}),
+    (
+        ("--when-busy",),
+        {
+            "choices": ["queue", "passthrough"],
+            "dest": "when_busy",
+            "help": "when every slot group is busy: wait for one (queue) or serve by plain "
+            "pass-through (default: %(default)s)",
+        },
+    ),
+    (
+        ("--check-decodes",),
+        {
+            "action": "store_true",
+            "dest": "check_decodes",
+            "help": "check through "
+            "llamacpp:n_decode_total that every round costs one server decode (default: off)",
+        },
+    ),
     (
         ("--attach-policy",),
-        {"choices": ["refuse", "degrade"], "dest": "attach_policy"},
+        {
+            "choices": ["refuse", "degrade"],
+            "dest": "attach_policy",
+            "help": "attached: when the server's flags cannot verify in one decode, refuse to "
+            "start or degrade to passing everything through (default: %(default)s)",
+        },
     ),
     # Keys on the command line are visible to other local users (ps): prefer
     # NPU_SPEC_API_KEY / NPU_SPEC_UPSTREAM_API_KEY or the config file.
-    (("--api-key",), {"dest": "api_key", "help": "require Authorization: Bearer KEY"}),
-    (("--upstream-api-key",), {"dest": "upstream_api_key", "help": "key for llama-server"}),
-    (("--max-body-bytes",), {"type": int, "dest": "max_body_bytes"}),
-    (("--max-queue",), {"type": int, "dest": "max_queue", "help": "then 503 + Retry-After"}),
+    (
+        ("--api-key",),
+        {
+            "metavar": "KEY",
+            "dest": "api_key",
+            "help": "require Authorization: Bearer KEY "
+            "(default: none; prefer NPU_SPEC_API_KEY: a command line shows in ps)",
+        },
+    ),
+    (
+        ("--upstream-api-key",),
+        {
+            "metavar": "KEY",
+            "dest": "upstream_api_key",
+            "help": "key the proxy sends to "
+            "llama-server (default: attached, clients' keys are forwarded; managed, a random one)",
+        },
+    ),
+    (
+        ("--max-body-bytes",),
+        {
+            "type": int,
+            "metavar": "N",
+            "dest": "max_body_bytes",
+            "help": "larger request bodies get 413 (default: %(default)s)",
+        },
+    ),
+    (
+        ("--max-queue",),
+        {
+            "type": int,
+            "metavar": "N",
+            "dest": "max_queue",
+            "help": "requests waiting for a slot group; more get 503 + Retry-After "
+            "(default: %(default)s)",
+        },
+    ),
     (
         ("--no-slot-actions",),
-        {"action": "store_false", "dest": "allow_slot_actions", "default": None},
+        {
+            "action": "store_false",
+            "dest": "allow_slot_actions",
+            "help": "refuse clients' /slots save, restore and erase (default: passed through)",
+        },
     ),
-    (("--draft-timeout",), {"type": float, "dest": "draft_timeout_s"}),
-    (("--verify-timeout",), {"type": float, "dest": "verify_timeout_s"}),
+    (
+        ("--draft-timeout",),
+        {
+            "type": float,
+            "metavar": "SECONDS",
+            "dest": "draft_timeout_s",
+            "help": "a drafter slower than this counts as failed and is re-created "
+            "(default: %(default)s)",
+        },
+    ),
+    (
+        ("--verify-timeout",),
+        {
+            "type": float,
+            "metavar": "SECONDS",
+            "dest": "verify_timeout_s",
+            "help": "longest wait for one verify round from llama-server (default: %(default)s)",
+        },
+    ),
     (
         ("--no-restart-server",),
-        {"action": "store_false", "dest": "restart_server", "default": None},
+        {
+            "action": "store_false",
+            "dest": "restart_server",
+            "help": "managed: do not restart a llama-server that died (default: restart, at most "
+            "max_restarts times per 10 minutes)",
+        },
     ),
 ]
 
+EPILOG = """\
+Every option is also the environment variable shown in [brackets] and a key of a TOML
+or JSON file given with --config FILE (or NPU_SPEC_CONFIG): the variable's name without
+NPU_SPEC_, in lower case (k = 4, drafter = "/models/drafter", server_args = ["-ngl",
+"99"]; a list in a variable is JSON: NPU_SPEC_SERVER_ARGS='["-ngl", "99"]'). The
+command line beats the environment, which beats the file. Settings with no option of
+their own: queue_timeout_s, strict_decodes, retry_after_s, passthrough_read_timeout_s,
+max_restarts, server_host, slot_save_dir.
+
+--server-arg takes a shell-like line, so a flag and its value go together; a flag
+alone needs "=" (else it reads as an option of npu-spec):
+  npu-spec serve --target model.gguf --server-arg '-ngl 99' --server-arg=--no-mmap
+"""
+
+# settings field -> the flag that sets it, for error messages
+FLAGS: dict[str, str] = {}
+for _flags, _options in _OPTIONS:  # the first option of a setting names it (--overlap)
+    FLAGS.setdefault(_options.get("dest", _flags[0].lstrip("-").replace("-", "_")), _flags[0])
+
+
+def _help(options: dict[str, Any], dest: str) -> dict[str, Any]:
+    """The help with "%(default)s" filled from the settings (argparse's default is
+    None, meaning "not given") and the environment variable that sets the same."""
+    help_text = options.get("help", "")
+    if "%(default)s" in help_text:
+        default = ProxySettings.model_fields[dest].default
+        if isinstance(default, bool):
+            default = "on" if default else "off"
+        help_text = help_text.replace("%(default)s", "none" if default is None else str(default))
+    value = {"store_true": "=true", "store_false": "=false"}.get(options.get("action", ""), "")
+    if options.get("action") == "store_const":
+        value = f"={options['const']}"
+    return {**options, "help": f"{help_text} [NPU_SPEC_{dest.upper()}{value}]"}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML or JSON file with the same option names")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML or JSON file of settings, named as below [NPU_SPEC_CONFIG]",
+    )
     for flags, options in _OPTIONS:
-        options = {"default": None, **options}
-        parser.add_argument(*flags, **options)
+        dest = options.get("dest", flags[0].lstrip("-").replace("-", "_"))
+        parser.add_argument(*flags, **{**_help(options, dest), "default": None})
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
@@ -136,16 +369,68 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     return load_settings(given, getattr(args, "config", None))
 
 
+def check_before_start(settings: ProxySettings) -> None:
+    """Mistakes found in a moment, before llama-server starts or the drafter loads."""
+    if settings.target is not None:
+        target = Path(settings.target).expanduser()
+        if not target.is_file():
+            raise UserError(
+                f"target model {target} does not exist",
+                "give --target the path of a .gguf file",
+            )
+        try:
+            find_llama_server(settings.llama_server)
+        except LlamaServerNotFound as error:
+            raise UserError(str(error)) from None
+    if settings.drafter:
+        folder = settings.drafter.removesuffix("+ngram")
+        if parse_ngram_spec(folder) is None and not Path(folder).expanduser().is_dir():
+            raise UserError(
+                f"drafter {folder} is not a folder",
+                "give --drafter an exported drafter folder (npu-spec export-drafter), "
+                "'ngram', or leave it out",
+            )
+    _check_port_free(settings.host, settings.port, "--port")
+    if settings.target is not None and settings.server_port:
+        _check_port_free(settings.server_host, settings.server_port, "--server-port")
+
+
+def _check_port_free(host: str, port: int, flag: str) -> None:
+    if port == 0:  # the system picks one
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise UserError(f"cannot listen on {host}: {error.strerror}", "fix --host") from None
+    family, kind, proto, _name, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # as asyncio's server does: a port in TIME_WAIT is free, one that listens is not
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise UserError(
+                    f"port {port} on {host} is already in use",
+                    f"{flag} with a free port, or stop what listens there",
+                ) from None
+            raise UserError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
-    except ValidationError as exc:
-        log.error("invalid settings: %s", exc)
-        return 2
+    except ValidationError as error:
+        raise UserError("; ".join(settings_error_lines(error, FLAGS))) from None
+    except ConfigFileError as error:
+        raise UserError(str(error)) from None
+    check_before_start(settings)
     try:
         return asyncio.run(serve(settings))
     except KeyboardInterrupt:
         return 0
+    except LlamaServerStartError as error:
+        raise UserError(str(error)) from None
 
 
 async def target_tokenizer_facts(upstream: Any) -> Any:
@@ -208,10 +493,12 @@ def _drafter_opener(
 
 
 async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> int:
+    from npu_draft.providers import ProviderMismatch, ProviderUnavailable
+    from npu_draft.tokenizer_check import TokenizerMismatch
     from proxy.api import build_state, create_app
     from proxy.attach_check import check_upstream
     from proxy.managed import ServerLayout, ServerSupervisor, managed_server, write_key_file
-    from proxy.upstream import Timeouts, UpstreamClient
+    from proxy.upstream import Timeouts, UpstreamClient, UpstreamClientError, UpstreamError
 
     server = None
     supervisor = None
@@ -280,8 +567,24 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
         upstream = UpstreamClient(
             base_url, Timeouts(verify=settings.verify_timeout_s), api_key=own_key
         )
-        facts = await target_tokenizer_facts(upstream)
-        open_drafter, model = await asyncio.to_thread(_drafter_opener, settings, facts)
+        try:
+            facts = await target_tokenizer_facts(upstream)
+        except (UpstreamError, UpstreamClientError) as error:
+            raise UserError(
+                f"cannot read the target's tokenizer: {error}",
+                "check that llama-server runs there (npu-spec doctor --upstream URL)",
+            ) from None
+        try:
+            open_drafter, model = await asyncio.to_thread(_drafter_opener, settings, facts)
+        except (
+            TokenizerMismatch,
+            ProviderMismatch,
+            ProviderUnavailable,
+            OSError,
+            ValueError,
+        ) as error:
+            # a drafter for another model, an absent provider, an unusable folder
+            raise UserError(f"drafter {settings.drafter}: {error}") from None
         if errors:  # attached with --attach-policy degrade
             open_drafter = None  # every request goes through unchanged
         state = await build_state(

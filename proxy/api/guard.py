@@ -33,6 +33,8 @@ JSON_BODY: web.RequestKey[Any] = web.RequestKey("npu_spec_json_body", object)
 NOT_JSON = object()
 _SLOT_ACTION = re.compile(r"^/slots/[^/]*$")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+SPEC_HEADER = "X-Npu-Spec"
+OWN_ANSWER = "proxy"  # the X-Npu-Spec value of answers neither path served
 
 
 @dataclass(frozen=True)
@@ -52,20 +54,28 @@ def parsed_body(request: web.Request) -> Any:
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp's own errors (413 from a too-large body, 404, 405, ...) and anything
-    unexpected become OpenAI-format JSON; nothing escapes as an HTML page."""
+    unexpected become OpenAI-format JSON; nothing escapes as an HTML page. Answers the
+    proxy gives itself (these, and the refusals below) carry `X-Npu-Spec: proxy`."""
     try:
-        return await handler(request)
+        response = await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         if exc.status == 413:
-            return error_response(413, "request body too large", "invalid_request_error")
-        return error_response(exc.status, exc.reason or "error")
+            return error_response(
+                413, "request body too large", "invalid_request_error", spec_header=OWN_ANSWER
+            )
+        return error_response(exc.status, exc.reason or "error", spec_header=OWN_ANSWER)
     except ConnectionResetError:
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, "internal error in npu-spec (see the proxy's log)")
+        return error_response(
+            500, "internal error in npu-spec (see the proxy's log)", spec_header=OWN_ANSWER
+        )
+    if not response.prepared and SPEC_HEADER not in response.headers:
+        response.headers[SPEC_HEADER] = OWN_ANSWER
+    return response
 
 
 def _presented_key(request: web.Request) -> str:

@@ -83,8 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="contexts",
         help="prompt lengths: natural (as written; the long prompt ~4k) or tokens, e.g. 512,4k",
     )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("-n", "--n-predict", type=int, default=128, dest="n_predict")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each prompt per mode")
+    parser.add_argument(
+        "-n", "--n-predict", type=int, default=128, dest="n_predict", help="tokens per request"
+    )
     parser.add_argument("--prompts", type=Path, dest="prompts_path", help="prompt set JSON")
     parser.add_argument("--prompt-ids", help="comma list: only these prompts")
     parser.add_argument(
@@ -128,10 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ceiling-repeats", type=int, default=8, help="timed rounds per k for t_v(k)"
     )
-    parser.add_argument("--oracle-seed", type=int, default=0)
+    parser.add_argument("--oracle-seed", type=int, default=0, help="oracle drafter's random seed")
     parser.add_argument("--llama-server", type=Path, help="llama-server binary")
     parser.add_argument("--work-dir", type=Path, help="logs and oracle folders (default: temp)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds for a server to load"
+    )
     parser.add_argument(
         "--exact-check",
         choices=["first", "all", "none"],

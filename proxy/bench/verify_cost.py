@@ -620,7 +620,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random token ids")
     parser.add_argument("--llama-server", type=Path, help="llama-server binary")
     parser.add_argument("--work-dir", type=Path, help="server logs and slot files (default: temp)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds for a server to load"
+    )
     parser.add_argument(
         "-o", "--out", type=Path,
         help="result JSON (default: benchmarks/results/verify-cost-<time>.json)",
