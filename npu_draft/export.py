@@ -78,7 +78,7 @@ def export_drafter(
         _run_builder(hf_dir, staging, precision, Path(tmp) / "builder-cache")
         if last_position_logits:
             keep_last_position_logits(staging / "model.onnx")
-        _finish_folder(hf_dir, staging, fmt, precision, max_context)
+        finish_drafter_folder(hf_dir, staging, fmt, precision, max_context)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
@@ -174,7 +174,11 @@ def keep_last_position_logits(model_path: Path) -> None:
     onnx.save(model, str(model_path))
 
 
-def _finish_folder(hf_dir: Path, folder: Path, fmt: str, precision: str, max_context: int) -> None:
+def finish_drafter_folder(
+    hf_dir: Path, folder: Path, fmt: str, precision: str, max_context: int
+) -> None:
+    """Cap the context, record the checkpoint's eos ids, copy its tokenizer files and
+    write npu_draft.json; `fmt` onnx drops genai_config.json."""
     genai_config_path = folder / "genai_config.json"
     genai_config = json.loads(genai_config_path.read_text())
     model = genai_config["model"]
