@@ -249,3 +249,22 @@ def test_make_models_runs_without_torch_and_its_drafter_equals_hugging_face(
         full = reference_logits(out / "draft-hf", prompt + draft.tokens)
         assert draft.tokens == full[len(prompt) - 1 : -1].argmax(-1).tolist(), backend
         np.testing.assert_allclose(session.next_logits(), full[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_export_drafter_without_torch_writes_fp32_and_explains_int4(tmp_path: Path) -> None:
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt", tied=False, dtype=torch.float32)
+    out = run_without_torch(
+        f"""
+        from npu_draft.export import ExportError, export_drafter
+        export_drafter({str(checkpoint)!r}, {str(tmp_path / "fp32")!r}, fmt="onnx")
+        try:
+            export_drafter({str(checkpoint)!r}, {str(tmp_path / "int4")!r}, precision="int4")
+        except ExportError as error:
+            print(error)
+        """
+    )
+    assert "needs torch" in out and "npu-spec[export]" in out
+    assert not (tmp_path / "int4").exists()
+    expected = write_drafter(checkpoint, tmp_path / "direct", fmt="onnx")
+    for name in ("model.onnx", "model.onnx.data", "npu_draft.json"):
+        assert (tmp_path / "fp32" / name).read_bytes() == (expected / name).read_bytes(), name
