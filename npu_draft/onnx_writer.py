@@ -1,7 +1,7 @@
 """A drafter folder for a Qwen3 checkpoint without PyTorch: the graph written with ONNX's helpers.
 
-`npu_draft.export` runs onnxruntime-genai's model builder, which needs PyTorch (a
-1.4 GB install on its own) to read the checkpoint. This module writes the same graph
+`npu_draft.export` runs onnxruntime-genai's model builder, which needs PyTorch (754 MB
+even as the CPU build) to read the checkpoint. This module writes the same graph
 the builder writes for Qwen3 in fp32, op for op, from the safetensors files with
 numpy alone, so the demo and `npu-spec make-models` run without PyTorch:
 
@@ -123,6 +123,7 @@ class Qwen3Config:
         unsupported = {
             "attention_bias": bool(raw.get("attention_bias")),
             "use_sliding_window": bool(raw.get("use_sliding_window")),
+            f"hidden_act {raw.get('hidden_act')}": raw.get("hidden_act", "silu") != "silu",
             "rope scaling": any(
                 rope.get("rope_type", rope.get("type", "default")) != "default" for rope in ropes
             ),
