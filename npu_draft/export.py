@@ -12,13 +12,15 @@ folder and is deterministic (same input, same bytes).
 folder loads as a plain ONNX decoder. Either way `npu_draft.json` records the
 tokenizer the drafter expects (see npu_draft.tokenizer_check).
 
-Export needs PyTorch and onnx-ir (the builder's dependencies); running a drafter
-needs neither.
+The builder needs PyTorch, onnx-ir and transformers (the `export` extra). Without
+them an fp32 export of a Qwen3 checkpoint writes the same graph with
+`npu_draft.onnx_writer`; int4 needs the builder. Running a drafter needs none of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -70,6 +72,11 @@ def export_drafter(
         raise ExportError(f"{hf_dir} is not a Hugging Face checkpoint folder (no config.json)")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ExportError(f"{out_dir} exists and is not empty (use --force to replace it)")
+    if precision == "fp32" and last_position_logits and _missing_builder_dependencies():
+        from npu_draft.onnx_writer import write_drafter  # the same graph, without PyTorch
+
+        log.info("no PyTorch: writing the fp32 graph with npu_draft.onnx_writer")
+        return write_drafter(hf_dir, out_dir, fmt=fmt, max_context=max_context)
     _require_builder_dependencies()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -78,7 +85,7 @@ def export_drafter(
         _run_builder(hf_dir, staging, precision, Path(tmp) / "builder-cache")
         if last_position_logits:
             keep_last_position_logits(staging / "model.onnx")
-        _finish_folder(hf_dir, staging, fmt, precision, max_context)
+        finish_drafter_folder(hf_dir, staging, fmt, precision, max_context)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
@@ -86,16 +93,16 @@ def export_drafter(
     return out_dir
 
 
+def _missing_builder_dependencies() -> list[str]:
+    return [m for m in ("torch", "onnx_ir", "transformers") if importlib.util.find_spec(m) is None]
+
+
 def _require_builder_dependencies() -> None:
-    missing = []
-    for module in ("torch", "onnx_ir", "transformers"):
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(module)
+    missing = _missing_builder_dependencies()
     if missing:
         raise ExportError(
-            f"export needs {', '.join(missing)} (install with `pip install 'npu-spec[export]'`)"
+            f"this export needs {', '.join(missing)} for onnxruntime-genai's model builder "
+            f"(install with `pip install 'npu-spec[export]'`; fp32 exports of Qwen3 need none)"
         )
 
 
@@ -174,7 +181,11 @@ def keep_last_position_logits(model_path: Path) -> None:
     onnx.save(model, str(model_path))
 
 
-def _finish_folder(hf_dir: Path, folder: Path, fmt: str, precision: str, max_context: int) -> None:
+def finish_drafter_folder(
+    hf_dir: Path, folder: Path, fmt: str, precision: str, max_context: int
+) -> None:
+    """Cap the context, record the checkpoint's eos ids, copy its tokenizer files and
+    write npu_draft.json; `fmt` onnx drops genai_config.json."""
     genai_config_path = folder / "genai_config.json"
     genai_config = json.loads(genai_config_path.read_text())
     model = genai_config["model"]

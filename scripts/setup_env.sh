@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (if needed), install npu-spec into it, and build the pinned llama-server.
+# Usage: setup_env.sh [EXTRAS]  (none for the demo; dev or export add PyTorch)
 # Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (everything is cached).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,7 +14,11 @@ EXTRAS="${1:-}"
 source "$REPO/.venv/bin/activate"
 python -m pip install --quiet --upgrade pip
 if [ -n "$EXTRAS" ]; then
-  # The CPU build of PyTorch keeps the test environment small (tests compare with transformers).
+  # Only `dev` and `export` need PyTorch (the tests compare with transformers; export-drafter
+  # --precision int4 runs onnxruntime-genai's model builder); the demo and `serve` need none.
+  # Pinned to 2.13.0 because this project's machines keep that CPU wheel on disk and pip
+  # takes it from there. Elsewhere PyPI's torch==2.13.0 for Linux is the CUDA build, several
+  # GB with its nvidia-* libraries; install a CPU build first if you want a smaller venv.
   python -c 'import torch' 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
 fi
 python -m pip install --quiet -e "$REPO${EXTRAS:+[$EXTRAS]}"

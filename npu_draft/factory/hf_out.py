@@ -55,14 +55,16 @@ def hf_config(shape: ModelShape) -> dict:
 
 
 def build_tokenizer_files(vocab_gguf: Path, chat_template: str, out: Path) -> None:
-    """Convert llama.cpp's Qwen2 vocab GGUF into tokenizer.json & co (offline)."""
-    from transformers import AutoTokenizer  # heavy import, only needed here
+    """Convert llama.cpp's Qwen2 vocab GGUF into tokenizer.json & co (offline, no PyTorch:
+    transformers' GGUF reader imports it). The fields read on the way are kept beside
+    them in gguf-tokenizer-fields.json, the cache `make_models` reads them from."""
+    from npu_draft.factory.gguf_out import read_tokenizer_fields
+    from npu_draft.gguf_tokenizer import write_tokenizer_files
 
-    tokenizer = AutoTokenizer.from_pretrained(str(vocab_gguf.parent), gguf_file=vocab_gguf.name)
-    tokenizer.eos_token = "<|im_end|>"
-    tokenizer.pad_token = "<|endoftext|>"
-    tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(str(out))
+    rows = read_tokenizer_fields(vocab_gguf, cache_file=out / "gguf-tokenizer-fields.json")
+    write_tokenizer_files(
+        rows, chat_template, out, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
 
 
 def write_hf_folder(

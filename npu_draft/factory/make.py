@@ -205,10 +205,10 @@ def make_models(
     write_gguf(out / "draft.gguf", CORE, plain_tensors(drafted, np.float32), np.float32,
                name=f"npu-spec-draft-{spec}", **common)  # fmt: skip
     if with_drafter:
-        from npu_draft.export import export_drafter
+        from npu_draft.onnx_writer import write_drafter  # the builder's graph, without PyTorch
 
         # 8k so benchmark prompts of 4k tokens plus their answers can still be drafted.
-        export_drafter(out / "draft-hf", out / "draft", max_context=FACTORY_DRAFTER_CONTEXT)
+        write_drafter(out / "draft-hf", out / "draft", max_context=FACTORY_DRAFTER_CONTEXT)
     manifest = {
         "seed": seed,
         "draft": str(spec),
