@@ -19,6 +19,7 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from npu_draft.factory.shapes import (
     default_draft_shape,
 )
 from npu_draft.factory.weights import (
+    TensorSpec,
     Weights,
     noisy_weights,
     padded_tensors,
@@ -126,7 +128,9 @@ def _draft_weight_type(draft_dtype: str | None, draft_shape: str) -> str:
     return weight_type_name(draft_dtype or default)
 
 
-def _tensors(weights: Weights, big: ModelShape, weight_type: str, seed: int):
+def _tensors(
+    weights: Weights, big: ModelShape, weight_type: str, seed: int
+) -> Iterator[TensorSpec]:
     """The model's tensors in `big`'s shape (padded unless it is the core)."""
     # Arrays the tensors are made in: Q8_0 and Q4_0 quantize float32 values.
     dtype = np.dtype(np.float32 if weight_type in ("q8_0", "q4_0") else weight_type)
