@@ -177,6 +177,13 @@ def weight_type_name(dtype: str | np.dtype | type) -> str:
     return name
 
 
+def tensor_weight_type(name: str, shape: tuple[int, ...], weight_type: str) -> str:
+    """The type one tensor is stored in, in a file of `weight_type`."""
+    if len(shape) == 1:
+        return "float32"
+    return _OUTPUT_HEAD_TYPE.get(weight_type, weight_type) if name == OUTPUT_HEAD else weight_type
+
+
 def _tensor_layout(spec: TensorSpec, weight_type: str) -> tuple[GGMLQuantizationType, tuple, int]:
     """GGML type, shape as add_tensor_info takes it, and byte count of one tensor.
 
@@ -185,9 +192,7 @@ def _tensor_layout(spec: TensorSpec, weight_type: str) -> tuple[GGMLQuantization
     as llama-quantize does for a Q8_0 file type (a Q4_0 file's head: see
     _OUTPUT_HEAD_TYPE).
     """
-    kind = "float32" if len(spec.shape) == 1 else weight_type
-    if spec.name == OUTPUT_HEAD:
-        kind = _OUTPUT_HEAD_TYPE.get(kind, kind)
+    kind = tensor_weight_type(spec.name, spec.shape, weight_type)
     if kind in BLOCK_TYPES:
         byte_shape = BLOCK_TYPES[kind].byte_shape(spec.shape)
         return WEIGHT_TYPES[kind][0], byte_shape, int(np.prod(byte_shape))

@@ -28,6 +28,7 @@ import numpy as np
 from npu_draft.factory.gguf_out import (
     EOS_TOKEN_ID,
     read_tokenizer_fields,
+    tensor_weight_type,
     weight_type_name,
     write_gguf,
 )
@@ -36,6 +37,7 @@ from npu_draft.factory.hf_out import (
     write_hf_folder,
     write_hf_folder_streamed,
 )
+from npu_draft.factory.quant import dequantize, quantize
 from npu_draft.factory.shapes import (
     CORE,
     DRAFT_SHAPES,
@@ -139,6 +141,27 @@ def _tensors(
     return padded_tensors(weights, CORE, big, seed, dtype)
 
 
+def target_function_weights(core: Weights, weight_type: str) -> Weights:
+    """The float32 weights a target of `weight_type` really computes with.
+
+    For float32 and float16 that is the core itself (float16 rounding is negligible);
+    for q8_0 and q4_0 it is the core quantized and dequantized as the GGUF stores it.
+    Drafts are made from these, so a `same` draft is the quantized target's own
+    function: a Q4_0 target agrees with the float core on only ~40% of teacher-forced
+    greedy tokens (Q8_0: ~95%), so float-core drafts would cap acceptance there.
+    """
+    if weight_type not in ("q8_0", "q4_0"):
+        return core
+    out: Weights = {}
+    for name, tensor in core.items():
+        kind = tensor_weight_type(name, tensor.shape, weight_type)
+        if kind in ("q8_0", "q4_0"):
+            out[name] = dequantize(quantize(tensor, kind), kind, tensor.shape)
+        else:
+            out[name] = tensor
+    return out
+
+
 def _core_weights(seed: int, eos_boost: float) -> Weights:
     core = random_weights(CORE, seed)
     if eos_boost > 0:
@@ -201,7 +224,8 @@ def make_models(
     draft_shape pads the draft the way the target is padded (default: qwen3-0.6b for
     the qwen3-* targets, else core); draft_dtype is draft.gguf's weight type (default
     q8_0 for the qwen3-* draft shapes, else float32). draft-hf/ stays the core draft
-    function; draft/ is exported from the padded draft in float32.
+    function; draft/ is exported from the padded draft in float32. With a q8_0 or
+    q4_0 target, drafts are made from the quantized core (`target_function_weights`).
 
     eos_boost > 0 scales the output row of `<|im_end|>` by that factor, so greedy
     generations end by EOS after a few dozen tokens (2.5 ends the test prompts after
@@ -224,7 +248,8 @@ def make_models(
     out.mkdir(parents=True, exist_ok=True)
 
     core = _core_weights(seed, eos_boost)
-    drafted = draft_weights(core, spec, seed)
+    drafted = draft_weights(target_function_weights(core, weight_type), spec, seed)
+    drafted_from_core = weight_type not in ("q8_0", "q4_0")
     log.info(
         "writing %s (target %s, draft %s shaped %s, seed %d)",
         out, target_shape, spec, draft_shape, seed,
@@ -263,6 +288,7 @@ def make_models(
         "draft_shape": draft_shape,
         "draft_dims": asdict(draft_big),
         "draft_dtype": draft_type,
+        "draft_base": "core" if drafted_from_core else f"core as {weight_type} (dequantized)",
         "eos_boost": eos_boost,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -147,3 +147,12 @@ def dequantize_q8_0(data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
     q = blocks[:, 2:].view(np.int8).astype(np.float32)
     return (q * d).reshape(shape)
+
+
+def dequantize(data: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 values of Q8_0 or Q4_0 bytes (gguf's reference dequantizer)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as reference_dequantize
+
+    ggml_type = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[kind]
+    return reference_dequantize(np.asarray(data, np.uint8), ggml_type).reshape(shape)

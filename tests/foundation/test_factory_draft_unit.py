@@ -11,7 +11,13 @@ from safetensors.numpy import load_file
 
 from npu_draft.factory.gguf_out import gguf_tensor_name
 from npu_draft.factory.hf_out import write_safetensors_streamed
-from npu_draft.factory.make import DraftSpec, _draft_weight_type, draft_weights
+from npu_draft.factory.make import (
+    DraftSpec,
+    _draft_weight_type,
+    draft_weights,
+    target_function_weights,
+)
+from npu_draft.factory.quant import dequantize, quantize_q4_0, quantize_q8_0
 from npu_draft.factory.shapes import CORE, DRAFT_SHAPES, TARGET_SHAPES, default_draft_shape
 from npu_draft.factory.weights import _query_head_rows, padded_tensors, random_weights
 from npu_draft.reference import Qwen3Config, Qwen3Numpy
@@ -112,3 +118,16 @@ def test_streamed_safetensors_loads_back_exactly(tmp_path: Path) -> None:
     assert header_size % 8 == 0
     header = json.loads(path.read_bytes()[8 : 8 + header_size])
     assert header["__metadata__"] == {"format": "pt"}
+
+
+def test_drafts_of_a_quantized_target_start_from_what_it_computes() -> None:
+    core = random_weights(CORE, 0)
+    assert target_function_weights(core, "float16") is core
+    seen = target_function_weights(core, "q4_0")
+    name = "model.layers.0.mlp.up_proj.weight"
+    expected = dequantize(quantize_q4_0(core[name]), "q4_0", core[name].shape)
+    assert np.array_equal(seen[name], expected) and not np.array_equal(seen[name], core[name])
+    head = core["lm_head.weight"]  # stored Q8_0 in a Q4_0 file
+    assert np.array_equal(seen["lm_head.weight"], dequantize(quantize_q8_0(head), "q8_0",
+                                                             head.shape))  # fmt: skip
+    assert np.array_equal(seen["model.norm.weight"], core["model.norm.weight"])
