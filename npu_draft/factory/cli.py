@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "head, which is Q8_0 (llama-quantize makes it Q6_K, which this writer cannot): about "
         "0.29x the float16 size; much further from the core function than q8_0 (~40%% "
         "teacher-forced agreement with it). With q8_0 or q4_0, drafts (--draft) are made "
-        "from the core as the target stores it (quantized, dequantized), so `same` is the "
+        "from the core as the target stores it (quantized, dequantized), so `same` is nearly the "
         "target's own function again and noise levels mean what they mean for float targets",
     )
     parser.add_argument(
