@@ -60,8 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "float16", "q8_0"],
         default=None,
         help="draft.gguf weight type (default: q8_0 for the qwen3-* draft shapes, as users "
-        "run a 0.6B draft, else float32). float16 and q8_0 compute the core draft function "
-        "only nearly; draft/ is always float32",
+        "run a 0.6B draft, else float32). With q8_0, draft-hf/, draft-core.gguf and draft/ "
+        "(float32 ONNX) hold the draft's weights as draft.gguf stores them (dequantized), so "
+        "the proxy's drafter drafts what llama.cpp's drafting does (nearly: llama.cpp also "
+        "rounds activations)",
     )
     parser.add_argument(
         "--eos-boost",

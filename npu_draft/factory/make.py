@@ -141,14 +141,15 @@ def _tensors(
     return padded_tensors(weights, CORE, big, seed, dtype)
 
 
-def target_function_weights(core: Weights, weight_type: str) -> Weights:
-    """The float32 weights a target of `weight_type` really computes with.
+def stored_function_weights(core: Weights, weight_type: str) -> Weights:
+    """The float32 weights a GGUF of `weight_type` made from `core` really computes with.
 
     For float32 and float16 that is the core itself (float16 rounding is negligible);
     for q8_0 and q4_0 it is the core quantized and dequantized as the GGUF stores it.
-    Drafts are made from these, so a `same` draft is the quantized target's own
-    function: a Q4_0 target agrees with the float core on only ~40% of teacher-forced
-    greedy tokens (Q8_0: ~95%), so float-core drafts would cap acceptance there.
+    Drafts are made from the target's, so a `same` draft is the quantized target's own
+    function (a Q4_0 target agrees with the float core on only ~30-40% of
+    teacher-forced greedy tokens, with its dequantized core on ~95%); and draft-hf/
+    and draft/ hold the draft's, so the proxy's drafter drafts what draft.gguf drafts.
     """
     if weight_type not in ("q8_0", "q4_0"):
         return core
@@ -224,8 +225,9 @@ def make_models(
     draft_shape pads the draft the way the target is padded (default: qwen3-0.6b for
     the qwen3-* targets, else core); draft_dtype is draft.gguf's weight type (default
     q8_0 for the qwen3-* draft shapes, else float32). draft-hf/ stays the core draft
-    function; draft/ is exported from the padded draft in float32. With a q8_0 or
-    q4_0 target, drafts are made from the quantized core (`target_function_weights`).
+    function (as draft.gguf stores it: dequantized for q8_0); draft/ is exported from
+    it padded, in float32. With a q8_0 or q4_0 target, drafts are made from the
+    quantized core (`stored_function_weights`).
 
     eos_boost > 0 scales the output row of `<|im_end|>` by that factor, so greedy
     generations end by EOS after a few dozen tokens (2.5 ends the test prompts after
@@ -248,15 +250,17 @@ def make_models(
     out.mkdir(parents=True, exist_ok=True)
 
     core = _core_weights(seed, eos_boost)
-    drafted = draft_weights(target_function_weights(core, weight_type), spec, seed)
+    drafted = draft_weights(stored_function_weights(core, weight_type), spec, seed)
     drafted_from_core = weight_type not in ("q8_0", "q4_0")
+    # What draft.gguf computes: draft-hf/, draft-core.gguf and draft/ hold exactly that.
+    draft_function = stored_function_weights(drafted, draft_type)
     log.info(
         "writing %s (target %s, draft %s shaped %s, seed %d)",
         out, target_shape, spec, draft_shape, seed,
     )  # fmt: skip
     write_hf_folder(out / "target-hf", CORE, core, tokenizer_dir, f"npu-spec-core-s{seed}")
     write_hf_folder(
-        out / "draft-hf", CORE, drafted, tokenizer_dir, f"npu-spec-draft-{spec}-s{seed}"
+        out / "draft-hf", CORE, draft_function, tokenizer_dir, f"npu-spec-draft-{spec}-s{seed}"
     )
     fields = read_tokenizer_fields(
         vocab_gguf, cache_file=tokenizer_dir / "gguf-tokenizer-fields.json"
@@ -272,12 +276,12 @@ def make_models(
     write_gguf(out / "draft.gguf", draft_big, _tensors(drafted, draft_big, draft_type, seed),
                draft_type, name=draft_name, **common)  # fmt: skip
     if draft_big != CORE:
-        write_gguf(out / "draft-core.gguf", CORE, plain_tensors(drafted, np.float32),
+        write_gguf(out / "draft-core.gguf", CORE, plain_tensors(draft_function, np.float32),
                    np.float32, name=f"npu-spec-draft-{spec}", **common)  # fmt: skip
     else:
         (out / "draft-core.gguf").unlink(missing_ok=True)
     if with_drafter:
-        _export_draft(out, drafted, draft_big, draft_name, tokenizer_dir, seed)
+        _export_draft(out, draft_function, draft_big, draft_name, tokenizer_dir, seed)
     manifest = {
         "seed": seed,
         "draft": str(spec),

@@ -10,9 +10,12 @@ import aiohttp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from safetensors.numpy import load_file
 
-from npu_draft.factory import DRAFT_SHAPES, make_models
+from npu_draft.factory import CORE, DRAFT_SHAPES, make_models
 from npu_draft.factory.gguf_out import read_tensor_types
+from npu_draft.factory.make import DraftSpec, draft_weights, stored_function_weights
+from npu_draft.factory.weights import random_weights
 from npu_draft.load import load_drafter
 from npu_draft.reference import ReferenceDraftModel
 from npu_draft.tokenizer_check import DrafterManifest
@@ -114,3 +117,17 @@ def test_padded_drafter_folder_computes_the_core_draft(padded_draft_models: Path
     finally:
         session.close()
         drafter.close()
+
+
+def test_a_q8_0_draft_hands_its_stored_weights_to_the_drafter(tmp_path: Path) -> None:
+    """draft-hf/ (the export's source) holds what the q8_0 draft.gguf computes with."""
+    out = make_models(tmp_path / "q8", draft=DRAFT, draft_shape="padded-test",
+                      draft_dtype="q8_0", with_drafter=False)  # fmt: skip
+    file_type, tensors = read_tensor_types(out / "draft.gguf")
+    assert file_type == 7 and tensors["blk.0.ffn_up.weight"][1] == GGMLQuantizationType.Q8_0
+    drafted = draft_weights(random_weights(CORE, 0), DraftSpec.parse(DRAFT), 0)
+    expected = stored_function_weights(drafted, "q8_0")
+    stored = load_file(str(out / "draft-hf" / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert np.array_equal(stored[name], expected[name])
+    assert not np.array_equal(stored[name], drafted[name])

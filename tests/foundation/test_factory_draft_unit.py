@@ -15,7 +15,7 @@ from npu_draft.factory.make import (
     DraftSpec,
     _draft_weight_type,
     draft_weights,
-    target_function_weights,
+    stored_function_weights,
 )
 from npu_draft.factory.quant import dequantize, quantize_q4_0, quantize_q8_0
 from npu_draft.factory.shapes import CORE, DRAFT_SHAPES, TARGET_SHAPES, default_draft_shape
@@ -122,8 +122,8 @@ def test_streamed_safetensors_loads_back_exactly(tmp_path: Path) -> None:
 
 def test_drafts_of_a_quantized_target_start_from_what_it_computes() -> None:
     core = random_weights(CORE, 0)
-    assert target_function_weights(core, "float16") is core
-    seen = target_function_weights(core, "q4_0")
+    assert stored_function_weights(core, "float16") is core
+    seen = stored_function_weights(core, "q4_0")
     name = "model.layers.0.mlp.up_proj.weight"
     expected = dequantize(quantize_q4_0(core[name]), "q4_0", core[name].shape)
     assert np.array_equal(seen[name], expected) and not np.array_equal(seen[name], core[name])

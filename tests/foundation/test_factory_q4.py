@@ -18,9 +18,11 @@ from gguf.quants import quantize
 
 from npu_draft.factory import write_target
 from npu_draft.factory.gguf_out import read_tensor_types
+from npu_draft.factory.make import _core_weights, stored_function_weights
 from npu_draft.factory.quant import BLOCK_TYPES, quantize_q4_0
 from npu_draft.factory.shapes import CORE, TARGET_SHAPES, ModelShape
 from npu_draft.factory.weights import padded_tensors, random_weights
+from npu_draft.reference import Qwen3Config, Qwen3Numpy
 
 Q4_0, Q8_0, F32 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
 N_TOKENS = 32
@@ -105,7 +107,10 @@ async def test_q4_0_target_loads_and_generates(
 
     quantized = await start_server(target)
     exact = await start_server(make_models_dir("same") / "target.gguf")  # the float core
-    agreement = []
+    core = _core_weights(0, 0.0)
+    float_core = _numpy_model(core)
+    dequantized_core = _numpy_model(stored_function_weights(core, "q4_0"))
+    agreement, float_forced, dequantized_forced = [], [], []
     for text in ["Hello, my name is", "def fibonacci(n):\n    "]:
         prompt = (await _post(exact.base_url, "/tokenize", {"content": text}))["tokens"]
         got = await _greedy(quantized.base_url, prompt, N_TOKENS)
@@ -113,5 +118,40 @@ async def test_q4_0_target_loads_and_generates(
         assert len(set(got)) >= N_TOKENS // 2, got  # a sensible, non-degenerate continuation
         expected = await _greedy(exact.base_url, prompt, N_TOKENS)
         agreement.append(float(np.mean(np.equal(got, expected))))
+        float_forced.append(_teacher_forced(float_core, prompt, got))
+        dequantized_forced.append(_teacher_forced(dequantized_core, prompt, got))
     record_property("q4_0_same_position_agreement", agreement)
-    print(f"Q4_0 {target_shape} vs float core: same-position agreement {agreement}")
+    record_property("q4_0_teacher_forced_float_core", float_forced)
+    record_property("q4_0_teacher_forced_dequantized_core", dequantized_forced)
+    print(
+        f"Q4_0 {target_shape}: same-position agreement with the float core {agreement}; "
+        f"teacher-forced agreement of the float core {float_forced}, of the dequantized "
+        f"core (what drafts of a q4_0 target start from) {dequantized_forced}"
+    )
+    # Drafts of a q4_0 target start from the dequantized core: it must track the target.
+    assert np.mean(dequantized_forced) >= 0.85
+    assert np.mean(dequantized_forced) > np.mean(float_forced)
+
+
+def _numpy_model(weights: dict[str, np.ndarray]) -> Qwen3Numpy:
+    config = Qwen3Config(
+        vocab_size=CORE.vocab,
+        hidden_size=CORE.hidden,
+        intermediate_size=CORE.ffn,
+        num_hidden_layers=CORE.layers,
+        num_attention_heads=CORE.heads,
+        num_key_value_heads=CORE.kv_heads,
+        head_dim=CORE.head_dim,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+    )
+    return Qwen3Numpy(config, weights)
+
+
+def _teacher_forced(model: Qwen3Numpy, prompt: list[int], continuation: list[int]) -> float:
+    """Share of positions where the model's argmax is the continuation's next token."""
+    tokens = prompt + continuation
+    logits = model.forward(tokens[:-1], model.new_cache(len(tokens)))
+    predicted = np.argmax(logits[len(prompt) - 1 :], axis=-1)
+    return float(np.mean(predicted == np.array(continuation)))
