@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from npu_draft.factory.quant import q8_0_byte_shape, quantize_q8_0
+from npu_draft.factory.quant import BLOCK_TYPES, quantize
 from npu_draft.factory.shapes import ModelShape
 from npu_draft.factory.weights import TensorSpec
 
@@ -153,14 +153,21 @@ WEIGHT_TYPES = {
     "float32": (GGMLQuantizationType.F32, 0),  # LLAMA_FTYPE_ALL_F32
     "float16": (GGMLQuantizationType.F16, 1),  # LLAMA_FTYPE_MOSTLY_F16
     "q8_0": (GGMLQuantizationType.Q8_0, 7),  # LLAMA_FTYPE_MOSTLY_Q8_0
+    "q4_0": (GGMLQuantizationType.Q4_0, 2),  # LLAMA_FTYPE_MOSTLY_Q4_0
 }
+_QUANTIZED = {GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_0: "q4_0"}
+# llama-quantize gives a Q4_0 file's output head Q6_K, which numpy cannot write here;
+# Q8_0 is the nearest type we can (8.5 bits a weight against Q6_K's 6.56; qwen3-14b's
+# head reads ~190 MB more per token than llama-quantize's file, ~2% of the model).
+_OUTPUT_HEAD_TYPE = {"q4_0": "q8_0"}
+OUTPUT_HEAD = "lm_head.weight"
 GGML_QUANTIZATION_VERSION = 2  # what llama-quantize and convert_hf_to_gguf.py record
 
 
 def weight_type_name(dtype: str | np.dtype | type) -> str:
-    """'float32', 'float16' or 'q8_0' for a numpy dtype or one of those names."""
-    if isinstance(dtype, str) and dtype.lower() == "q8_0":
-        return "q8_0"
+    """'float32', 'float16', 'q8_0' or 'q4_0' for a numpy dtype or one of those names."""
+    if isinstance(dtype, str) and dtype.lower() in _QUANTIZED.values():
+        return dtype.lower()
     try:
         name = np.dtype(dtype).name
     except TypeError:
@@ -170,24 +177,34 @@ def weight_type_name(dtype: str | np.dtype | type) -> str:
     return name
 
 
+def tensor_weight_type(name: str, shape: tuple[int, ...], weight_type: str) -> str:
+    """The type one tensor is stored in, in a file of `weight_type`."""
+    if len(shape) == 1:
+        return "float32"
+    return _OUTPUT_HEAD_TYPE.get(weight_type, weight_type) if name == OUTPUT_HEAD else weight_type
+
+
 def _tensor_layout(spec: TensorSpec, weight_type: str) -> tuple[GGMLQuantizationType, tuple, int]:
     """GGML type, shape as add_tensor_info takes it, and byte count of one tensor.
 
     1-D tensors (norms) are always float32, as llama.cpp expects (llama-quantize
     leaves them so too); token embeddings and output head follow the weight type,
-    as llama-quantize does for a Q8_0 file type.
+    as llama-quantize does for a Q8_0 file type (a Q4_0 file's head: see
+    _OUTPUT_HEAD_TYPE).
     """
-    kind = "float32" if len(spec.shape) == 1 else weight_type
-    if kind == "q8_0":
-        byte_shape = q8_0_byte_shape(spec.shape)
-        return GGMLQuantizationType.Q8_0, byte_shape, int(np.prod(byte_shape))
+    kind = tensor_weight_type(spec.name, spec.shape, weight_type)
+    if kind in BLOCK_TYPES:
+        byte_shape = BLOCK_TYPES[kind].byte_shape(spec.shape)
+        return WEIGHT_TYPES[kind][0], byte_shape, int(np.prod(byte_shape))
     itemsize = np.dtype(kind).itemsize
     return WEIGHT_TYPES[kind][0], spec.shape, int(np.prod(spec.shape)) * itemsize
 
 
 def _tensor_data(spec: TensorSpec, ggml_type: GGMLQuantizationType) -> np.ndarray:
-    if ggml_type == GGMLQuantizationType.Q8_0:
-        data = spec.make_q8_0() if spec.make_q8_0 is not None else quantize_q8_0(spec.make())
+    if ggml_type in _QUANTIZED:
+        kind = _QUANTIZED[ggml_type]
+        made = spec.make_quantized
+        data = made(kind) if made is not None else quantize(spec.make(), kind)
         return np.ascontiguousarray(data, dtype=np.uint8)
     dtype = np.float16 if ggml_type == GGMLQuantizationType.F16 else np.float32
     return np.ascontiguousarray(spec.make(), dtype=dtype)
@@ -202,7 +219,7 @@ def write_gguf(
     chat_template: str,
     name: str,
 ) -> None:
-    """Write one model with 2-D weights of `dtype` (float32, float16 or q8_0).
+    """Write one model with 2-D weights of `dtype` (float32, float16, q8_0 or q4_0).
 
     1-D tensors (norms) are always float32. The next tensor is made (and quantized)
     in a background thread while the current one is written.
@@ -223,7 +240,7 @@ def write_gguf(
     writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(RMS_EPS)
     writer.add_file_type(WEIGHT_TYPES[weight_type][1])
-    if weight_type == "q8_0":
+    if weight_type in BLOCK_TYPES:
         writer.add_quantization_version(GGML_QUANTIZATION_VERSION)
     _add_tokenizer(writer, tokenizer_fields)
     writer.add_chat_template(chat_template)
@@ -231,7 +248,7 @@ def write_gguf(
     specs = list(tensors)
     layouts = [_tensor_layout(spec, weight_type) for spec in specs]
     for spec, (ggml_type, info_shape, nbytes) in zip(specs, layouts, strict=True):
-        info_dtype = np.dtype(np.uint8 if ggml_type == GGMLQuantizationType.Q8_0 else np.float32)
+        info_dtype = np.dtype(np.uint8 if ggml_type in _QUANTIZED else np.float32)
         writer.add_tensor_info(
             gguf_tensor_name(spec.name), info_shape, info_dtype, nbytes, ggml_type
         )

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
+from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 from safetensors.numpy import save_file
 
 from npu_draft.factory.gguf_out import (
@@ -20,7 +23,7 @@ from npu_draft.factory.gguf_out import (
     ROPE_THETA,
 )
 from npu_draft.factory.shapes import ModelShape
-from npu_draft.factory.weights import Weights
+from npu_draft.factory.weights import TensorSpec, Weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -67,8 +70,8 @@ def build_tokenizer_files(vocab_gguf: Path, chat_template: str, out: Path) -> No
     )
 
 
-def write_hf_folder(
-    out: Path, shape: ModelShape, weights: Weights, tokenizer_dir: Path, name: str
+def _write_config_and_tokenizer(
+    out: Path, shape: ModelShape, tokenizer_dir: Path, name: str
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config(shape)
@@ -76,6 +79,48 @@ def write_hf_folder(
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": [EOS_TOKEN_ID, BOS_TOKEN_ID]}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    for file in TOKENIZER_FILES:
+        shutil.copy2(tokenizer_dir / file, out / file)
+
+
+def write_hf_folder(
+    out: Path, shape: ModelShape, weights: Weights, tokenizer_dir: Path, name: str
+) -> None:
+    _write_config_and_tokenizer(out, shape, tokenizer_dir, name)
     save_file({k: v for k, v in weights.items()}, str(out / "model.safetensors"))
-    for name in TOKENIZER_FILES:
-        shutil.copy2(tokenizer_dir / name, out / name)
+
+
+def write_hf_folder_streamed(
+    out: Path, shape: ModelShape, tensors: Iterable[TensorSpec], tokenizer_dir: Path, name: str
+) -> None:
+    """`write_hf_folder` for float32 tensors made one at a time (a padded model that
+    would not fit in memory at once); same file format."""
+    _write_config_and_tokenizer(out, shape, tokenizer_dir, name)
+    write_safetensors_streamed(out / "model.safetensors", tensors)
+
+
+def write_safetensors_streamed(path: Path, tensors: Iterable[TensorSpec]) -> None:
+    """A float32 safetensors file written tensor by tensor (the format: an 8-byte
+    little-endian header length, a JSON header of dtype/shape/byte offsets padded
+    to 8 bytes, then the raw data in header order)."""
+    specs = list(tensors)
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        size = int(np.prod(spec.shape)) * 4
+        header[spec.name] = {
+            "dtype": "F32",
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)))
+        file.write(encoded)
+        for spec in specs:
+            data = np.ascontiguousarray(spec.make(), dtype=np.float32)
+            if data.shape != spec.shape:
+                raise ValueError(f"{spec.name}: made {data.shape}, declared {spec.shape}")
+            file.write(memoryview(data).cast("B"))

@@ -3,10 +3,13 @@
 OUT/
   target.gguf     the target for llama-server (core function, padded to a shape's cost)
   core.gguf       the unpadded core as GGUF (only when the target is padded)
-  draft.gguf      the draft, for llama.cpp's own drafting in A/B runs
+  draft.gguf      the draft, for llama.cpp's own drafting in A/B runs (the core draft
+                  function, padded to the draft shape's cost)
+  draft-core.gguf the unpadded core draft as float32 GGUF (only when the draft is padded)
   target-hf/      the core function as a Hugging Face folder (what the target computes)
-  draft-hf/       the draft as a Hugging Face folder (the export's source)
-  draft/          the drafter folder `npu-spec serve --drafter` takes
+  draft-hf/       the core draft function as a Hugging Face folder (what the draft computes)
+  draft/          the drafter folder `npu-spec serve --drafter` takes, exported from the
+                  draft padded to the draft shape (a temporary padded HF folder)
   manifest.json   how it was made
 """
 
@@ -16,6 +19,7 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,12 +28,25 @@ import numpy as np
 from npu_draft.factory.gguf_out import (
     EOS_TOKEN_ID,
     read_tokenizer_fields,
+    tensor_weight_type,
     weight_type_name,
     write_gguf,
 )
-from npu_draft.factory.hf_out import build_tokenizer_files, write_hf_folder
-from npu_draft.factory.shapes import CORE, TARGET_SHAPES, ModelShape
+from npu_draft.factory.hf_out import (
+    build_tokenizer_files,
+    write_hf_folder,
+    write_hf_folder_streamed,
+)
+from npu_draft.factory.quant import dequantize, quantize
+from npu_draft.factory.shapes import (
+    CORE,
+    DRAFT_SHAPES,
+    TARGET_SHAPES,
+    ModelShape,
+    default_draft_shape,
+)
 from npu_draft.factory.weights import (
+    TensorSpec,
     Weights,
     noisy_weights,
     padded_tensors,
@@ -107,6 +124,45 @@ def _weight_type(target_dtype: str | None, big: ModelShape) -> str:
     return weight_type_name(target_dtype or ("float16" if big.hidden >= 2048 else "float32"))
 
 
+def _draft_weight_type(draft_dtype: str | None, draft_shape: str) -> str:
+    # The Qwen3 draft shapes in Q8_0 (what users run a 0.6B draft as); CI's exactly float32.
+    default = "q8_0" if draft_shape.startswith("qwen3-") else "float32"
+    return weight_type_name(draft_dtype or default)
+
+
+def _tensors(
+    weights: Weights, big: ModelShape, weight_type: str, seed: int
+) -> Iterator[TensorSpec]:
+    """The model's tensors in `big`'s shape (padded unless it is the core)."""
+    # Arrays the tensors are made in: Q8_0 and Q4_0 quantize float32 values.
+    dtype = np.dtype(np.float32 if weight_type in ("q8_0", "q4_0") else weight_type)
+    if big == CORE:
+        return plain_tensors(weights, dtype)
+    return padded_tensors(weights, CORE, big, seed, dtype)
+
+
+def stored_function_weights(core: Weights, weight_type: str) -> Weights:
+    """The float32 weights a GGUF of `weight_type` made from `core` really computes with.
+
+    For float32 and float16 that is the core itself (float16 rounding is negligible);
+    for q8_0 and q4_0 it is the core quantized and dequantized as the GGUF stores it.
+    Drafts are made from the target's, so a `same` draft is the quantized target's own
+    function (a Q4_0 target agrees with the float core on only ~30-40% of
+    teacher-forced greedy tokens, with its dequantized core on ~95%); and draft-hf/
+    and draft/ hold the draft's, so the proxy's drafter drafts what draft.gguf drafts.
+    """
+    if weight_type not in ("q8_0", "q4_0"):
+        return core
+    out: Weights = {}
+    for name, tensor in core.items():
+        kind = tensor_weight_type(name, tensor.shape, weight_type)
+        if kind in ("q8_0", "q4_0"):
+            out[name] = dequantize(quantize(tensor, kind), kind, tensor.shape)
+        else:
+            out[name] = tensor
+    return out
+
+
 def _core_weights(seed: int, eos_boost: float) -> Weights:
     core = random_weights(CORE, seed)
     if eos_boost > 0:
@@ -118,15 +174,8 @@ def _write_target(
     path: Path, core: Weights, target_shape: str, weight_type: str, seed: int, common: dict
 ) -> None:
     big = TARGET_SHAPES[target_shape]
-    # Arrays the tensors are made in: Q8_0 quantizes float32 values.
-    dtype = np.dtype(np.float32 if weight_type == "q8_0" else weight_type)
-    if big != CORE:
-        tensors = padded_tensors(core, CORE, big, seed, dtype)
-        write_gguf(path, big, tensors, weight_type, name=f"npu-spec-{target_shape}", **common)
-    else:
-        write_gguf(
-            path, CORE, plain_tensors(core, dtype), weight_type, name="npu-spec-core", **common
-        )
+    name = "npu-spec-core" if big == CORE else f"npu-spec-{target_shape}"
+    write_gguf(path, big, _tensors(core, big, weight_type, seed), weight_type, name=name, **common)
 
 
 def write_target(
@@ -162,13 +211,23 @@ def make_models(
     target_dtype: str | None = None,
     with_drafter: bool = True,
     eos_boost: float = 0.0,
+    draft_shape: str | None = None,
+    draft_dtype: str | None = None,
 ) -> Path:
     """Write the model set into `out` and return it.
 
-    target_dtype is the target's 2-D weight type: float32, float16 or q8_0 (default
-    float16 for the qwen3-* shapes, else float32). q8_0 (GGML Q8_0, as llama-quantize
-    writes it; norms stay float32) halves a float16 file, but the quantized core no
-    longer computes the float32 core function exactly (see `npu-spec make-models -h`).
+    target_dtype is the target's 2-D weight type: float32, float16, q8_0 or q4_0
+    (default float16 for the qwen3-* shapes, else float32). q8_0 and q4_0 (GGML
+    Q8_0/Q4_0 as llama-quantize writes them; norms stay float32) shrink the file, but
+    the quantized core no longer computes the float32 core function exactly (see
+    `npu-spec make-models -h`).
+
+    draft_shape pads the draft the way the target is padded (default: qwen3-0.6b for
+    the qwen3-* targets, else core); draft_dtype is draft.gguf's weight type (default
+    q8_0 for the qwen3-* draft shapes, else float32). draft-hf/ stays the core draft
+    function (as draft.gguf stores it: dequantized for q8_0); draft/ is exported from
+    it padded, in float32. With a q8_0 or q4_0 target, drafts are made from the
+    quantized core (`stored_function_weights`).
 
     eos_boost > 0 scales the output row of `<|im_end|>` by that factor, so greedy
     generations end by EOS after a few dozen tokens (2.5 ends the test prompts after
@@ -180,17 +239,28 @@ def make_models(
         raise ValueError(f"unknown target shape {target_shape!r}; one of {sorted(TARGET_SHAPES)}")
     big = TARGET_SHAPES[target_shape]
     weight_type = _weight_type(target_dtype, big)
+    draft_shape = draft_shape or default_draft_shape(target_shape)
+    if draft_shape not in DRAFT_SHAPES:
+        raise ValueError(f"unknown draft shape {draft_shape!r}; one of {sorted(DRAFT_SHAPES)}")
+    draft_big = DRAFT_SHAPES[draft_shape]
+    draft_type = _draft_weight_type(draft_dtype, draft_shape)
 
     vocab_gguf, chat_template = _pinned_sources()
     tokenizer_dir = _tokenizer_dir(vocab_gguf, chat_template)
     out.mkdir(parents=True, exist_ok=True)
 
     core = _core_weights(seed, eos_boost)
-    drafted = draft_weights(core, spec, seed)
-    log.info("writing %s (target %s, draft %s, seed %d)", out, target_shape, spec, seed)
+    drafted = draft_weights(stored_function_weights(core, weight_type), spec, seed)
+    drafted_from_core = weight_type not in ("q8_0", "q4_0")
+    # What draft.gguf computes: draft-hf/, draft-core.gguf and draft/ hold exactly that.
+    draft_function = stored_function_weights(drafted, draft_type)
+    log.info(
+        "writing %s (target %s, draft %s shaped %s, seed %d)",
+        out, target_shape, spec, draft_shape, seed,
+    )  # fmt: skip
     write_hf_folder(out / "target-hf", CORE, core, tokenizer_dir, f"npu-spec-core-s{seed}")
     write_hf_folder(
-        out / "draft-hf", CORE, drafted, tokenizer_dir, f"npu-spec-draft-{spec}-s{seed}"
+        out / "draft-hf", CORE, draft_function, tokenizer_dir, f"npu-spec-draft-{spec}-s{seed}"
     )
     fields = read_tokenizer_fields(
         vocab_gguf, cache_file=tokenizer_dir / "gguf-tokenizer-fields.json"
@@ -202,13 +272,16 @@ def make_models(
                    name="npu-spec-core", **common)  # fmt: skip
     else:
         (out / "core.gguf").unlink(missing_ok=True)
-    write_gguf(out / "draft.gguf", CORE, plain_tensors(drafted, np.float32), np.float32,
-               name=f"npu-spec-draft-{spec}", **common)  # fmt: skip
+    draft_name = f"npu-spec-draft-{spec}" + ("" if draft_big == CORE else f"-{draft_shape}")
+    write_gguf(out / "draft.gguf", draft_big, _tensors(drafted, draft_big, draft_type, seed),
+               draft_type, name=draft_name, **common)  # fmt: skip
+    if draft_big != CORE:
+        write_gguf(out / "draft-core.gguf", CORE, plain_tensors(draft_function, np.float32),
+                   np.float32, name=f"npu-spec-draft-{spec}", **common)  # fmt: skip
+    else:
+        (out / "draft-core.gguf").unlink(missing_ok=True)
     if with_drafter:
-        from npu_draft.onnx_writer import write_drafter  # the builder's graph, without PyTorch
-
-        # 8k so benchmark prompts of 4k tokens plus their answers can still be drafted.
-        write_drafter(out / "draft-hf", out / "draft", max_context=FACTORY_DRAFTER_CONTEXT)
+        _export_draft(out, draft_function, draft_big, draft_name, tokenizer_dir, seed)
     manifest = {
         "seed": seed,
         "draft": str(spec),
@@ -216,7 +289,29 @@ def make_models(
         "target_dims": asdict(big),
         "core_dims": asdict(CORE),
         "target_dtype": weight_type,
+        "draft_shape": draft_shape,
+        "draft_dims": asdict(draft_big),
+        "draft_dtype": draft_type,
+        "draft_base": "core" if drafted_from_core else f"core as {weight_type} (dequantized)",
         "eos_boost": eos_boost,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return out
+
+
+def _export_draft(
+    out: Path, drafted: Weights, draft_big: ModelShape, name: str, tokenizer_dir: Path, seed: int
+) -> None:
+    """draft/ from the draft padded to `draft_big` (from draft-hf/ when it is the core)."""
+    from npu_draft.onnx_writer import write_drafter  # the builder's graph, without PyTorch
+
+    # 8k so benchmark prompts of 4k tokens plus their answers can still be drafted.
+    if draft_big == CORE:
+        write_drafter(out / "draft-hf", out / "draft", max_context=FACTORY_DRAFTER_CONTEXT)
+        return
+    # The padded float32 source (3 GB for qwen3-0.6b) lives only as long as the export.
+    with tempfile.TemporaryDirectory(dir=out, prefix=".draft-padded-hf-") as tmp:
+        source = Path(tmp) / "hf"
+        tensors = padded_tensors(drafted, CORE, draft_big, seed, np.dtype(np.float32))
+        write_hf_folder_streamed(source, draft_big, tensors, tokenizer_dir, name)
+        write_drafter(source, out / "draft", max_context=FACTORY_DRAFTER_CONTEXT)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from npu_draft.factory.quant import Q8_0_BLOCK_BYTES, QK8_0, q8_0_byte_shape, quantize_q8_0
+from npu_draft.factory.quant import BLOCK_TYPES, QK, quantize
 from npu_draft.factory.shapes import ModelShape
 
 Weights = dict[str, np.ndarray]
@@ -103,15 +103,16 @@ def noisy_weights(weights: Weights, sigma: float, seed: int) -> Weights:
 class TensorSpec:
     """A tensor to write: its name, shape and a function producing its data on demand.
 
-    `make_q8_0`, where given, returns exactly `quantize_q8_0(make())` but builds it
-    from the tensor's known structure (zero padding, repeated filler) instead of
-    quantizing every value; the GGUF writer prefers it.
+    `make_quantized`, where given, returns exactly `quantize(make(), kind)` for a
+    block type `kind` ("q8_0", "q4_0") but builds it from the tensor's known
+    structure (zero padding, repeated filler) instead of quantizing every value;
+    the GGUF writer prefers it.
     """
 
     name: str
     shape: tuple[int, ...]
     make: Callable[[], np.ndarray]
-    make_q8_0: Callable[[], np.ndarray] | None = None
+    make_quantized: Callable[[str], np.ndarray] | None = None
 
 
 def _check_paddable(core: ModelShape, big: ModelShape) -> None:
@@ -143,22 +144,22 @@ def _query_head_rows(core: ModelShape, big: ModelShape) -> np.ndarray:
 
 
 def _block_columns(cols: slice | np.ndarray, width: int) -> slice | np.ndarray | None:
-    """Q8_0 block indices of a column selection made of whole, aligned 32-column blocks.
+    """Block indices of a column selection made of whole, aligned 32-column blocks.
 
     None when the selection splits a block (then the fast path does not apply).
     """
     if isinstance(cols, slice):
         start, stop, step = cols.indices(width)
-        if step != 1 or start % QK8_0 or stop % QK8_0:
+        if step != 1 or start % QK or stop % QK:
             return None
-        return slice(start // QK8_0, stop // QK8_0)
-    if len(cols) % QK8_0:
+        return slice(start // QK, stop // QK)
+    if len(cols) % QK:
         return None
-    groups = np.asarray(cols).reshape(-1, QK8_0)
+    groups = np.asarray(cols).reshape(-1, QK)
     first = groups[:, :1]
-    if np.any(first % QK8_0) or not np.array_equal(groups, first + np.arange(QK8_0)):
+    if np.any(first % QK) or not np.array_equal(groups, first + np.arange(QK)):
         return None
-    return groups[:, 0] // QK8_0
+    return groups[:, 0] // QK
 
 
 def padded_tensors(
@@ -171,11 +172,12 @@ def padded_tensors(
     (zero) units; extra layers get random weights (full cost) but zero output
     projections, so they add nothing to the residual stream.
 
-    `dtype` is that of `make()`'s arrays. Every 2-D tensor also gets `make_q8_0`:
-    its Q8_0 bytes are zero blocks around the quantized core (the core occupies
-    whole 32-column blocks) or the quantized filler, quantized once per shape and
-    shared by every extra layer, so a 32B-shaped target costs a few hundred
-    million quantized values rather than 32 billion.
+    `dtype` is that of `make()`'s arrays. Every 2-D tensor also gets
+    `make_quantized`: its Q8_0 or Q4_0 bytes are zero blocks around the quantized
+    core (the core occupies whole 32-column blocks) or the quantized filler,
+    quantized once per shape and type and shared by every extra layer, so a
+    32B-shaped target costs a few hundred million quantized values rather than 32
+    billion.
     """
     _check_paddable(core, big)
     scale = math.sqrt(core.hidden / big.hidden)
@@ -184,7 +186,7 @@ def padded_tensors(
     kv = core.kv_heads * core.head_dim
     rng = np.random.default_rng(seed)
     filler_cache: dict[tuple[int, ...], np.ndarray] = {}
-    filler_q8_cache: dict[tuple[int, ...], np.ndarray] = {}
+    filler_blocks_cache: dict[tuple[tuple[int, ...], str], np.ndarray] = {}
 
     def filler(dims: tuple[int, ...], std: float) -> np.ndarray:
         # One random block per shape, reused by every extra layer: same cost, fast.
@@ -192,10 +194,10 @@ def padded_tensors(
             filler_cache[dims] = (std * rng.standard_normal(dims, dtype=np.float32)).astype(dtype)
         return filler_cache[dims]
 
-    def filler_q8_0(dims: tuple[int, ...], std: float) -> np.ndarray:
-        if dims not in filler_q8_cache:
-            filler_q8_cache[dims] = quantize_q8_0(filler(dims, std))
-        return filler_q8_cache[dims]
+    def filler_blocks(dims: tuple[int, ...], std: float, kind: str) -> np.ndarray:
+        if (dims, kind) not in filler_blocks_cache:
+            filler_blocks_cache[dims, kind] = quantize(filler(dims, std), kind)
+        return filler_blocks_cache[dims, kind]
 
     def placement(name: str) -> tuple[slice | np.ndarray, slice | np.ndarray]:
         """Where a 2-D core tensor sits in its zero-padded big tensor: out[rows, cols]."""
@@ -229,19 +231,20 @@ def padded_tensors(
         if len(dims) != 2:
             return TensorSpec(name, dims, make)
 
-        def make_q8_0() -> np.ndarray:
+        def make_quantized(kind: str) -> np.ndarray:
             rows, cols = placement(name)
             blocks = _block_columns(cols, dims[1])
             if blocks is None:
-                return quantize_q8_0(make())
-            out = np.zeros((dims[0], dims[1] // QK8_0, Q8_0_BLOCK_BYTES), dtype=np.uint8)
-            quantized = quantize_q8_0(core_t.astype(dtype))
+                return quantize(make(), kind)
+            block_bytes = BLOCK_TYPES[kind].block_bytes
+            out = BLOCK_TYPES[kind].zeros(dims).reshape(dims[0], dims[1] // QK, block_bytes)
+            quantized = quantize(core_t.astype(dtype), kind)
             both_arrays = not isinstance(rows, slice) and not isinstance(blocks, slice)
             index = np.ix_(rows, blocks) if both_arrays else (rows, blocks)
-            out[index] = quantized.reshape(core_t.shape[0], -1, Q8_0_BLOCK_BYTES)
-            return out.reshape(q8_0_byte_shape(dims))
+            out[index] = quantized.reshape(core_t.shape[0], -1, block_bytes)
+            return out.reshape(BLOCK_TYPES[kind].byte_shape(dims))
 
-        return TensorSpec(name, dims, make, make_q8_0)
+        return TensorSpec(name, dims, make, make_quantized)
 
     def extra(name: str, dims: tuple[int, ...]) -> TensorSpec:
         std = _init_std(name)
@@ -252,9 +255,11 @@ def padded_tensors(
                 name,
                 dims,
                 lambda: np.zeros(dims, dtype=dtype),
-                lambda: np.zeros(q8_0_byte_shape(dims), dtype=np.uint8),
+                lambda kind: BLOCK_TYPES[kind].zeros(dims),
             )
-        return TensorSpec(name, dims, lambda: filler(dims, std), lambda: filler_q8_0(dims, std))
+        return TensorSpec(
+            name, dims, lambda: filler(dims, std), lambda kind: filler_blocks(dims, std, kind)
+        )
 
     for name, dims in tensor_shapes(big).items():
         is_extra_layer = name.startswith("model.layers.") and int(name.split(".")[2]) >= core.layers

@@ -92,9 +92,9 @@ def test_structured_q8_0_equals_quantizing_every_value(core: ModelShape) -> None
     checked = 0
     for spec in specs:
         if len(spec.shape) == 1:
-            assert spec.make_q8_0 is None
+            assert spec.make_quantized is None
             continue
-        fast = spec.make_q8_0()  # first, so it cannot lean on make() having run
+        fast = spec.make_quantized("q8_0")  # first, so it cannot lean on make() having run
         assert fast.dtype == np.uint8 and fast.shape == q8_0_byte_shape(spec.shape)
         assert fast.tobytes() == reference_q8_0(spec.make()).tobytes(), spec.name
         checked += 1

@@ -105,14 +105,16 @@ def test_padding_refuses_shapes_that_break_the_head_grouping() -> None:
         (np.dtype(np.float16), "float16", 1),
         ("q8_0", "q8_0", 7),
         ("Q8_0", "q8_0", 7),
+        ("q4_0", "q4_0", 2),
     ],
 )
 def test_weight_types_and_their_gguf_file_types(dtype, name: str, file_type: int) -> None:
     assert weight_type_name(dtype) == name
-    assert WEIGHT_TYPES[name][1] == file_type  # llama.h: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q8_0 7
+    # llama.h: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q4_0 2, MOSTLY_Q8_0 7
+    assert WEIGHT_TYPES[name][1] == file_type
 
 
-@pytest.mark.parametrize("dtype", ["q4_0", "bfloat16", np.int8])
+@pytest.mark.parametrize("dtype", ["q4_1", "bfloat16", np.int8])
 def test_unsupported_weight_types_are_refused(dtype) -> None:
     with pytest.raises(ValueError, match="unsupported weight type"):
         weight_type_name(dtype)
