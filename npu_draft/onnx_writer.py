@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npu_draft.export import FORMATS, ExportError, finish_drafter_folder
+from npu_draft.drafter_folder import FORMATS, ExportError, finish_drafter_folder
 from npu_draft.onnx_runner import DEFAULT_MAX_CONTEXT
 
 log = logging.getLogger(__name__)
