@@ -210,6 +210,15 @@ class RoundRecord:
     plain_run: bool = False  # the server decoded n_committed tokens alone (proxy.plain_runs)
     n_branch: int = 0  # extra prompts that verified a runner-up's line
     n_via_branch: int = 0  # tokens committed through that line
+    # The round's timeline, ms since the round started (proxy.metrics sums the gaps):
+    draft_ready_ms: float = 0.0  # the draft was ready
+    verify_sent_ms: float = 0.0  # the verify (or plain-run) request went out
+    verify_back_ms: float = 0.0  # its response was back
+    # the server had no request of this generation: from the previous response (this
+    # generation's start for the first round) until this request went out
+    server_idle_ms: float = 0.0
+    # the drafter had nothing to do while the server verified (not drafting ahead)
+    drafter_idle_ms: float = 0.0
 
 
 @dataclass
@@ -429,6 +438,8 @@ class Generation:
         self.result: GenerationResult | None = None
         self._ahead: asyncio.Task[None] | None = None
         self._ahead_cancel: CancelToken | None = None
+        # when the current (or last) drafting ahead started and ended (perf_counter s)
+        self._ahead_span: tuple[float, float | None] | None = None
 
     async def _draft(
         self,
@@ -507,6 +518,8 @@ class Generation:
         if not self.params.overlap or extend is None or not self.overlap_policy.choose():
             return False
         self._ahead_cancel = cancel = CancelToken()
+        started = time.perf_counter()
+        self._ahead_span = (started, None)
 
         async def run() -> None:
             try:
@@ -515,6 +528,8 @@ class Generation:
                 raise
             except Exception:
                 log.warning("[%s] drafting ahead failed", self.request_id, exc_info=True)
+            finally:
+                self._ahead_span = (started, time.perf_counter())
 
         self._ahead = asyncio.create_task(run())
         return True
@@ -528,6 +543,14 @@ class Generation:
         ahead, self._ahead = self._ahead, None
         await asyncio.gather(ahead, return_exceptions=True)
 
+    def _drafter_busy_ms(self, start: float, end: float) -> float:
+        """How long drafting ahead ran within [start, end] (perf_counter seconds)."""
+        if self._ahead_span is None:
+            return 0.0
+        ahead_start, ahead_end = self._ahead_span
+        busy = min(end if ahead_end is None else ahead_end, end) - max(ahead_start, start)
+        return max(busy, 0.0) * 1e3
+
     def _plain_run_length(self, rounds: list[RoundRecord], room: int) -> int:
         """Tokens the server should decode alone next (0: a speculative round); never
         in the first round, which prefills the slots."""
@@ -536,14 +559,15 @@ class Generation:
         return max(0, min(self.plain_runs.choose(), room))
 
     async def _plain_run(
-        self, state: ServerTextState, committed: list[int], n: int, seed: int = 0
+        self, state: ServerTextState, committed: list[int], n: int, seed: int, round_start: float
     ) -> tuple[list[TokenEvent], RoundRecord, int, int]:
         """(events, record, tokens the server decoded, the slot holding them) of one
         plain run."""
         await self._stop_ahead()  # its line would be stale after the run
         started = time.perf_counter()
         run = await self.upstream.plain_run(committed, n, self.params.sampling, seed)
-        run_ms = (time.perf_counter() - started) * 1e3
+        back = time.perf_counter()
+        run_ms = (back - started) * 1e3
         pieces = await self.pieces.run_pieces(run.tokens, run.content)
         last = len(run.tokens) - 1
         if run.stop_type == "eos":
@@ -561,6 +585,10 @@ class Generation:
             verify_ms=run_ms,
             overhead_ms=(time.perf_counter() - started) * 1e3 - run_ms,
             plain_run=True,
+            draft_ready_ms=(started - round_start) * 1e3,
+            verify_sent_ms=(started - round_start) * 1e3,
+            verify_back_ms=(back - round_start) * 1e3,
+            drafter_idle_ms=run_ms,
         )
         return events, record, len(run.tokens), run.id_slot
 
@@ -605,6 +633,7 @@ class Generation:
         # while the other slots lag: the one that holds the whole context, and by how
         # many tokens the others lag at least (fresh prompt tokens, plain-run tokens)
         context_slot, lag = -1, 0
+        last_back = started  # when the server last answered this generation
         try:
             while not state.finished:
                 round_start = time.perf_counter()
@@ -619,8 +648,12 @@ class Generation:
                     pending_overlap = None
                     seed = 0 if sampling is None else int(seed_rng.integers(0, 0xFFFFFFFF))
                     events, record, n_decoded, context_slot = await self._plain_run(
-                        state, committed, run_n, seed
+                        state, committed, run_n, seed, round_start
                     )
+                    record.server_idle_ms = (
+                        round_start + record.verify_sent_ms / 1e3 - last_back
+                    ) * 1e3
+                    last_back = round_start + record.verify_back_ms / 1e3
                     lag += n_decoded
                     for event in events:
                         yield event
@@ -672,7 +705,7 @@ class Generation:
                     if draft and self.params.branch_prompts and self.drafter is not None:
                         branch, branch_ms = await self._branch(drafted, k)
                         draft_ms += branch_ms
-                    verify_start = time.perf_counter()
+                    draft_ready = verify_start = time.perf_counter()
                     if pending_overlap is not None:  # the last round's choice, judged
                         self.overlap_policy.observe(
                             *pending_overlap, next_drafted=len(draft), next_draft_ms=draft_ms
@@ -689,10 +722,14 @@ class Generation:
                         committed, k, sampling.chain, draft_rng
                     )
                     draft = drafted.tokens
-                    verify_start = time.perf_counter()
+                    draft_ready = verify_start = time.perf_counter()
                     server_seed = int(seed_rng.integers(0, 0xFFFFFFFF))  # 0xFFFFFFFF: random
                     results = await self.upstream.verify(committed, draft, sampling, server_seed)
-                verify_ms = (time.perf_counter() - verify_start) * 1e3
+                verify_back = time.perf_counter()
+                verify_ms = (verify_back - verify_start) * 1e3
+                drafter_idle_ms = verify_ms
+                if chose_ahead:
+                    drafter_idle_ms -= self._drafter_busy_ms(verify_start, verify_back)
                 if sampling is None and chose_ahead is not None and self.params.overlap:
                     pending_overlap = (chose_ahead, len(draft), verify_ms)
                 if first_round_end is None:
@@ -782,7 +819,13 @@ class Generation:
                     n_reused=drafted.reused,
                     n_branch=0 if branch is None else len(branch.tokens),
                     n_via_branch=acceptance.via_branch,
+                    draft_ready_ms=(draft_ready - round_start) * 1e3,
+                    verify_sent_ms=(verify_start - round_start) * 1e3,
+                    verify_back_ms=(verify_back - round_start) * 1e3,
+                    server_idle_ms=(verify_start - last_back) * 1e3,
+                    drafter_idle_ms=max(drafter_idle_ms, 0.0),
                 )
+                last_back = verify_back
                 rounds.append(record)
                 steady = not record.first and not after_run
                 if self.plain_runs is not None and steady:

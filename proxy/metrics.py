@@ -65,6 +65,8 @@ class ProxyMetrics:
         self.draft_ms = Histogram(MS_BUCKETS)
         self.verify_ms = Histogram(MS_BUCKETS)
         self.overhead_ms = Histogram(MS_BUCKETS)
+        self.server_idle_ms = Histogram(MS_BUCKETS)  # the round timeline's two idle gaps
+        self.drafter_idle_ms = Histogram(MS_BUCKETS)
         self.tokens_per_second = Histogram(TPS_BUCKETS)
 
     def observe_round(self, record: RoundRecord) -> None:
@@ -89,6 +91,8 @@ class ProxyMetrics:
         self.draft_ms.observe(record.draft_ms)
         self.verify_ms.observe(record.verify_ms)
         self.overhead_ms.observe(record.overhead_ms)
+        self.server_idle_ms.observe(record.server_idle_ms)
+        self.drafter_idle_ms.observe(record.drafter_idle_ms)
         if record.decodes is not None and record.decodes != 1 and not record.first:
             self.decode_check_failures += 1
 
@@ -187,10 +191,23 @@ class ProxyMetrics:
         lines += [f"# HELP {name} Requests by the path that served them", f"# TYPE {name} counter"]
         for path in ("speculative", "passthrough"):
             lines.append(f'{name}{{path="{path}"}} {self.requests[path]}')
-        lines += self.draft_ms.render("npu_spec_draft_ms", "Drafting time per round (ms)")
+        lines += self.draft_ms.render(
+            "npu_spec_draft_ms",
+            "Time each round waited for its draft (ms; drafting ahead hides the rest)",
+        )
         lines += self.verify_ms.render("npu_spec_verify_ms", "Verify request time per round (ms)")
         lines += self.overhead_ms.render(
             "npu_spec_overhead_ms", "Proxy time per round outside drafting and verifying (ms)"
+        )
+        lines += self.server_idle_ms.render(
+            "npu_spec_server_idle_ms",
+            "Per round, time from the generation's previous server response to this verify "
+            "request: the server waits for drafting and the proxy's own work (ms)",
+        )
+        lines += self.drafter_idle_ms.render(
+            "npu_spec_drafter_idle_ms",
+            "Per round, time of the verify request during which the drafter was not "
+            "drafting ahead (ms)",
         )
         lines += self.tokens_per_second.render(
             "npu_spec_tokens_per_second", "Generated tokens per second per speculative request"
