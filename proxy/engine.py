@@ -510,6 +510,13 @@ class Generation:
         drafter, self.drafter = self.drafter, None
         return drafter
 
+    def _ahead_expected(self) -> bool:
+        """Whether rounds draft ahead as things stand (what the draft length assumes)."""
+        if not self.params.overlap or getattr(self.drafter, "extend", None) is None:
+            return False
+        policy = self.overlap_policy
+        return policy.mode == "on" or (policy.mode == "auto" and policy.best())
+
     def _start_ahead(self) -> bool:
         """While the server verifies, keep drafting the line as if all is accepted.
         Whether to is the overlap policy's measured choice; returns that choice, or
@@ -523,7 +530,8 @@ class Generation:
 
         async def run() -> None:
             try:
-                await extend(self.params.k + 1, cancel, self.params.predraft)
+                # the bonus guess and the next round's drafts
+                await extend(self.policy.length(True) + 1, cancel, self.params.predraft)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -700,6 +708,7 @@ class Generation:
                     k = 0  # prefill one slot only (copies of it follow where replicating)
                 branch: Branch | None = None
                 if sampling is None:
+                    k_main = min(k_main, self.policy.length(self._ahead_expected()))
                     drafted, dists, draft_ms = await self._draft(committed, min(k, k_main))
                     draft = drafted.tokens
                     if draft and self.params.branch_prompts and self.drafter is not None:
@@ -844,6 +853,10 @@ class Generation:
                             verify_ms=verify_ms,
                             round_ms=total_ms,
                             n_branch=record.n_branch,
+                            fresh_tokens=drafted.fresh,
+                            fresh_ms=drafted.fresh_ms,
+                            resynced=drafted.resynced,
+                            overhead_ms=record.overhead_ms,
                         )
                     )
                 if self.observer is not None:

@@ -41,6 +41,17 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
+        ("--draft-length",),
+        {
+            "choices": ["formula", "marginal"],
+            "dest": "draft_length",
+            "help": "adaptive draft length: formula (default; the k with the most expected "
+            "tokens per expected round time, with measured acceptance, drafting speed and "
+            "per-length verify costs, counting only drafting not hidden by drafting ahead) or "
+            "marginal (position by position from the draft's own confidence)",
+        },
+    ),
+    (
         ("--overlap",),
         {
             "choices": ["auto", "on", "off"],
@@ -289,6 +300,7 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
             settings.k,
             open_drafter,
             adaptive_k=settings.adaptive_k,
+            draft_length=settings.draft_length,
             overlap=settings.overlap,
             plain_runs=settings.plain_runs,
             predraft=settings.predraft,

@@ -114,9 +114,8 @@ async def measure(args: argparse.Namespace) -> None:
                 try:
                     url = f"http://127.0.0.1:{port}"
                     await wait_up(session, url)
-                    for tokens, _ in refs[:1]:  # warm-up: the policies' first rounds
-                        await post(session, url + "/completion",
-                                   {"prompt": tokens, "n_predict": 24, "temperature": 0})  # fmt: skip
+                    warm_up = {"prompt": refs[0][0], "n_predict": 24, "temperature": 0}
+                    await post(session, url + "/completion", warm_up)  # the policies' start
                     async with session.get(url + "/metrics") as response:
                         before = parse_metrics(await response.text())
                     wall = 0.0

@@ -57,6 +57,7 @@ class ProxyState:
 
     replicate_prefill: bool = True
     adaptive_k: bool = True
+    draft_length: str = "formula"  # formula | marginal (proxy.adaptive_k)
     overlap: str = "auto"  # auto | on | off (proxy.overlap_policy)
     plain_runs: str = "auto"  # auto | off (proxy.plain_runs)
     predraft: bool = False  # draft after the likeliest runner-up during verification
@@ -84,7 +85,7 @@ class ProxyState:
         # Slot files the proxy writes: generated names, unguessable, and refused to
         # clients (guard.RESERVED_SLOT_PREFIX), so no request can swap their contents.
         self.slot_file_stem = f"{RESERVED_SLOT_PREFIX}{secrets.token_hex(8)}"
-        self.draft_lengths = DraftLengthPolicy(self.k, self.adaptive_k)
+        self.draft_lengths = DraftLengthPolicy(self.k, self.adaptive_k, self.draft_length)
         self.overlap_policy = OverlapPolicy(self.overlap)
         # one gate per mode: a sampling round costs more (the server sends its
         # distribution back), so the two are measured apart

@@ -152,17 +152,17 @@ def drafted_length(policy: DraftLengthPolicy, prob: float) -> int:
 
 
 def test_policy_drafts_everything_until_it_has_measurements():
-    policy = DraftLengthPolicy(6)
+    policy = DraftLengthPolicy(6, rule="marginal")
     assert drafted_length(policy, 0.01) == 6
-    fixed = DraftLengthPolicy(6, adaptive=False)
+    fixed = DraftLengthPolicy(6, adaptive=False, rule="marginal")
     feed(fixed, 10, 0.5, 0)
     assert drafted_length(fixed, 0.01) == 6
 
 
 def test_policy_drafts_less_when_drafts_are_rejected_and_more_when_accepted():
-    poor = DraftLengthPolicy(8)
+    poor = DraftLengthPolicy(8, rule="marginal")
     feed(poor, 10, 0.9, 0, draft_ms=4.0)  # confident drafts, none accepted
-    good = DraftLengthPolicy(8)
+    good = DraftLengthPolicy(8, rule="marginal")
     feed(good, 10, 0.9, 6, draft_ms=1.0)
     assert drafted_length(poor, 0.9) == 1  # position 1 is always drafted
     assert drafted_length(good, 0.9) > 4
@@ -170,14 +170,14 @@ def test_policy_drafts_less_when_drafts_are_rejected_and_more_when_accepted():
 
 @pytest.mark.parametrize("draft_ms", [0.5, 8.0])
 def test_policy_weighs_draft_cost(draft_ms):
-    policy = DraftLengthPolicy(8)
+    policy = DraftLengthPolicy(8, rule="marginal")
     feed(policy, 10, 0.8, 3, draft_ms=draft_ms)
     cheap = draft_ms < 1
     assert (drafted_length(policy, 0.8) >= 5) == cheap
 
 
 def test_policy_fits_the_verify_slope():
-    policy = DraftLengthPolicy(8)
+    policy = DraftLengthPolicy(8, rule="marginal")
     for k in (2, 4, 6, 8) * 4:
         policy.observe(RoundCosts([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
     assert policy.verify_slope_ms() == pytest.approx(2.5)
@@ -237,7 +237,7 @@ def learned_policy(verify_ms: dict[int, float]) -> DraftLengthPolicy:
     """A policy that has seen rounds of every length 1..6, each with these verify
     costs, a draft that is calibrated (accepted = its own expectation) and 2 ms a
     token, on a slow target (a round ~170 ms, as on an integrated GPU)."""
-    policy = DraftLengthPolicy(6)
+    policy = DraftLengthPolicy(6, rule="marginal")
     for n in (1, 2, 3, 4, 5, 6) * 4:
         expected = sum(0.9**i for i in range(1, n + 1))
         policy.observe(
@@ -265,7 +265,116 @@ def test_policy_charges_each_length_what_it_measured():
 
 
 def test_policy_without_per_length_samples_uses_the_slope():
-    policy = DraftLengthPolicy(8)
+    policy = DraftLengthPolicy(8, rule="marginal")
     for k in (2, 4, 6, 8) * 2:  # two rounds of each length: not enough to trust a mean
         policy.observe(RoundCosts([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
     assert policy.verify_ms_for_draft(4) == pytest.approx(policy.verify_slope_ms())
+
+
+# -- the formula rule: k maximising E(k) / T(k) -------------------------------------
+
+H200_512 = {1: 17.9, 2: 20.1, 3: 22.1, 4: 23.7, 5: 24.4, 6: 25.0}  # DESIGN.md section 3
+
+
+def formula_policy(
+    verify_ms: dict[int, float],
+    a: float,
+    token_ms: float,
+    resync_ms: float,
+    proxy_ms: float = 0.0,
+    k_max: int = 6,
+) -> DraftLengthPolicy:
+    """A formula policy that measured these costs: rounds of every length whose drafts
+    were accepted at rate a (each round: its accepted drafts and one rejection, in
+    proportions that give S / (S + F) = a), half of them re-synced."""
+    policy = DraftLengthPolicy(k_max)
+    for n in list(verify_ms) * 4:
+        for accepted in (n, n - 1):  # one fully accepted, one rejected round per length
+            policy.observe(
+                RoundCosts([1.0] * n, accepted, accepted + 1, resync_ms + n * token_ms,
+                           verify_ms[n], 0.0, fresh_tokens=n, fresh_ms=n * token_ms,
+                           resynced=True, overhead_ms=proxy_ms)
+            )  # fmt: skip
+    # the acceptance itself: from rounds whose counts give exactly a (weights 1 : 1)
+    policy._successes, policy._failures = a, 1.0 - a
+    policy._best = None
+    return policy
+
+
+def brute_force_k(
+    verify_ms: dict[int, float],
+    a: float,
+    t_d: float,
+    t_resync: float,
+    ahead: bool,
+    proxy_ms: float = 0.0,
+) -> int:
+    """argmax_k E(k) / T(k) written out from the issue's formula."""
+
+    def rate(k: int) -> float:
+        e = (1 - a ** (k + 1)) / (1 - a)
+        if ahead:
+            t = (
+                verify_ms[k]
+                + proxy_ms
+                + a ** (k + 1) * max(0.0, (k + 1) * t_d - verify_ms[k])
+                + (1 - a ** (k + 1)) * (t_resync + k * t_d)
+            )
+        else:
+            t = verify_ms[k] + proxy_ms + t_resync + k * t_d
+        return e / t
+
+    return max(sorted(verify_ms), key=lambda k: (rate(k), -k))
+
+
+@pytest.mark.parametrize(
+    ("a", "t_d", "t_resync", "proxy_ms"),
+    [(0.77, 2.0, 0.5, 1.0), (0.77, 0.0, 0.0, 0.0), (0.5, 4.0, 1.0, 2.0), (0.9, 11.0, 1.0, 0.5),
+     (0.3, 2.0, 0.5, 1.0), (0.77, 25.0, 2.0, 1.0)],
+)  # fmt: skip
+@pytest.mark.parametrize("ahead", [True, False])
+def test_formula_length_is_the_argmax_of_expected_tokens_per_round_time(
+    a, t_d, t_resync, proxy_ms, ahead
+):
+    policy = formula_policy(H200_512, a, t_d, t_resync, proxy_ms)
+    assert policy.acceptance_rate() == pytest.approx(a)
+    assert policy.token_ms == pytest.approx(t_d)
+    assert policy.resync_ms == pytest.approx(t_resync)
+    assert policy.length(ahead) == brute_force_k(H200_512, a, t_d, t_resync, ahead, proxy_ms)
+
+
+def test_a_fast_drafter_that_drafts_ahead_is_not_held_at_one_draft():
+    """H200 14B f16 at 512, a = 0.77: a drafter at 2 ms a token (0.2 steps) drafts 3
+    (E/T: 94, 105, 108, 107, 106, 103 tok/s for k = 1..6); drafting ahead never asks
+    for fewer drafts than serial drafting, and at 6 ms a token it asks for more."""
+    fast = formula_policy(H200_512, 0.77, 2.0, 0.3)
+    assert fast.length(ahead=True) == 3
+    assert all(fast.worth(m, 0.01) for m in range(1, 4))  # no per-position cut on top
+    for t_d in (0.5, 2.0, 4.0, 6.0, 8.0, 11.0):
+        policy = formula_policy(H200_512, 0.77, t_d, 0.3)
+        assert policy.length(ahead=True) >= policy.length(ahead=False)
+    slower = formula_policy(H200_512, 0.77, 6.0, 0.3)
+    assert (slower.length(ahead=True), slower.length(ahead=False)) == (2, 1)
+
+
+def test_formula_waits_for_measurements_and_respects_fixed_k():
+    policy = DraftLengthPolicy(6)
+    assert policy.length(True) == 6
+    fixed = DraftLengthPolicy(6, adaptive=False)
+    for _ in range(10):
+        fixed.observe(RoundCosts([1.0] * 6, 0, 1, 10.0, 20.0, 30.0))
+    assert fixed.length(True) == 6
+    marginal = formula_policy(H200_512, 0.3, 20.0, 1.0)
+    marginal.rule = "marginal"
+    assert marginal.length(True) == 6  # the marginal rule cuts per position instead
+    with pytest.raises(ValueError):
+        DraftLengthPolicy(6, rule="sometimes")  # type: ignore[arg-type]
+
+
+def test_acceptance_counts_rejections_not_draft_lengths():
+    """Rounds of 4 drafts accepting 2 then rejecting: a = 2 / 3, where accepted/drafted
+    would say 0.5."""
+    policy = DraftLengthPolicy(4)
+    for _ in range(20):
+        policy.observe(RoundCosts([1.0] * 4, 2, 3, 4.0, 20.0, 30.0))
+    assert policy.acceptance_rate() == pytest.approx(2 / 3)
