@@ -249,6 +249,11 @@ class GenerationResult:
     def draft_n_matched(self) -> int:
         return sum(r.n_matched or 0 for r in self.rounds)
 
+    @property
+    def plain_run_n(self) -> int:
+        """Tokens the server decoded alone (plain runs), not through verify rounds."""
+        return sum(r.n_committed for r in self.rounds if r.plain_run)
+
     def timings(self) -> dict[str, float | int]:
         """llama-server's `timings` object (server-common.cpp server_slot_stats::to_json)."""
         n_gen = len(self.tokens)
@@ -272,6 +277,8 @@ class GenerationResult:
             out["draft_n_accepted"] = self.draft_n_accepted
             if self.sampled:  # what greedy-match acceptance would have kept of the same drafts
                 out["draft_n_accepted_greedy_match"] = self.draft_n_matched
+        if self.plain_run_n > 0:  # of predicted_n, what plain runs wrote (not speculation)
+            out["plain_run_n"] = self.plain_run_n
         return out
 
 

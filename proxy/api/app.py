@@ -91,7 +91,7 @@ class ProxyState:
         # distribution back), so the two are measured apart
         runs_mode = "off" if self.plain_runs == "off" else "auto"
         self.plain_run_gate = PlainRunGate(runs_mode)
-        self.sampled_run_gate = PlainRunGate(runs_mode)
+        self.sampled_run_gate = PlainRunGate(runs_mode, name="unseeded sampling")
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
 
