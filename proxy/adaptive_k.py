@@ -140,7 +140,7 @@ class DraftLengthPolicy:
         a = self.acceptance_rate() or 0.0
         t_d = self.token_ms or 0.0
         fixed = self.verify_ms_at(k) + (self.proxy_ms or 0.0)
-        fresh = (self.resync_ms or 0.0) + k * t_d
+        fresh = max((self.resync_ms or 0.0) + k * t_d, 0.0)  # what a miss leaves unhidden
         if not ahead:
             return fixed + fresh
         hit = a ** (k + 1)
@@ -290,7 +290,9 @@ class DraftLengthPolicy:
         if costs.fresh_tokens > 0:
             self.token_ms = _ema(self.token_ms, costs.fresh_ms / costs.fresh_tokens)
         if costs.resynced:  # what the round waited for beyond drafting its tokens
-            self.resync_ms = _ema(self.resync_ms, max(costs.draft_ms - costs.fresh_ms, 0.0))
+            # (negative where an early draft hid part of the drafting behind the proxy's
+            # own work on the previous round)
+            self.resync_ms = _ema(self.resync_ms, costs.draft_ms - costs.fresh_ms)
         self.proxy_ms = _ema(self.proxy_ms, costs.overhead_ms)
         self._best = None
         self.rounds += 1

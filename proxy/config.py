@@ -43,6 +43,11 @@ class ProxySettings(BaseSettings):
     overlap: Literal["auto", "on", "off"] = Field(
         "auto", description="draft while the server verifies: auto (measured per round), on, off"
     )
+    early_draft: bool = Field(
+        True,
+        description="start the next round's draft as soon as a verify result is back, while "
+        "the proxy commits the round's tokens (else when the next round starts)",
+    )
     predraft: bool = Field(
         False,
         description="while the server verifies, also draft after the draft's likeliest "

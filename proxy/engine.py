@@ -189,6 +189,9 @@ class GenerationParams:
     adaptive: bool = True  # greedy: choose each round's length (proxy.adaptive_k)
     overlap: bool = True  # greedy: may draft while the server verifies (OverlapPolicy decides)
     predraft: bool = False  # greedy: drafting ahead also follows the likeliest runner-up
+    # greedy: start the next round's draft as soon as the verify result is known, behind
+    # the proxy's own work on the round (else when the next round starts)
+    early_draft: bool = True
     branch_prompts: int = 0  # greedy: most prompts a round may spend on a runner-up's line
 
 
@@ -280,6 +283,10 @@ class GenerationResult:
         if self.plain_run_n > 0:  # of predicted_n, what plain runs wrote (not speculation)
             out["plain_run_n"] = self.plain_run_n
         return out
+
+
+# a draft, its q in sampling mode, and the ms the round waited for it
+DraftOutcome = tuple[GreedyDraft, list[SparseDist | None] | None, float]
 
 
 class RoundObserver(Protocol):
@@ -447,6 +454,9 @@ class Generation:
         self._ahead_cancel: CancelToken | None = None
         # when the current (or last) drafting ahead started and ended (perf_counter s)
         self._ahead_span: tuple[float, float | None] | None = None
+        # the next round's draft, started when the verify result came back:
+        # (the committed sequence it drafts after, its length, the drafting task)
+        self._early: tuple[list[int], int, asyncio.Task[DraftOutcome]] | None = None
 
     async def _draft(
         self,
@@ -454,7 +464,7 @@ class Generation:
         k: int,
         sampling: SamplingParams | None = None,
         rng: np.random.Generator | None = None,
-    ) -> tuple[GreedyDraft, list[SparseDist | None] | None, float]:
+    ) -> DraftOutcome:
         """(the draft, its q in sampling mode, ms the round waited for it)."""
         if k <= 0 or self.drafter is None:
             return GreedyDraft(), None, 0.0
@@ -477,6 +487,37 @@ class Generation:
             return GreedyDraft(), None, (time.perf_counter() - started) * 1e3
         draft.tokens, draft.probs = draft.tokens[:k], draft.probs[:k]
         return draft, dists, (time.perf_counter() - started) * 1e3
+
+    def _start_early_draft(self, committed: list[int], k: int) -> None:
+        """Draft the next round now (after `committed`, up to k), while the proxy
+        commits this round's tokens; `_take_draft` picks it up."""
+        if k <= 0 or self.drafter is None or getattr(self.drafter, "draft", None) is None:
+            return
+        self._early = (committed, k, asyncio.create_task(self._draft(committed, k)))
+
+    async def _drop_early_draft(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            early[2].cancel()
+            await asyncio.gather(early[2], return_exceptions=True)
+
+    async def _take_draft(self, committed: list[int], k: int) -> DraftOutcome:
+        """The greedy draft of up to k tokens after `committed`: the early draft where
+        it drafted after the same sequence (extended where it is shorter), else now.
+        The time returned is what this call waited."""
+        early, self._early = self._early, None
+        if early is None:
+            return await self._draft(committed, k)
+        early_committed, early_k, task = early
+        started = time.perf_counter()
+        drafted, dists, _ = await task
+        if early_committed != committed or early_k < k:
+            # another sequence (a plain run came between), or a longer draft wanted now:
+            # the line keeps what was drafted, so drafting again reuses it
+            return await self._draft(committed, k)
+        drafted.tokens, drafted.probs = drafted.tokens[:k], drafted.probs[:k]
+        drafted.alternatives = drafted.alternatives[:k]
+        return drafted, dists, (time.perf_counter() - started) * 1e3
 
     async def _branch(self, drafted: GreedyDraft, k: int) -> tuple[Branch | None, float]:
         """(the runner-up line to verify beside the draft, or None; ms spent on it).
@@ -716,7 +757,7 @@ class Generation:
                 branch: Branch | None = None
                 if sampling is None:
                     k_main = min(k_main, self.policy.length(self._ahead_expected()))
-                    drafted, dists, draft_ms = await self._draft(committed, min(k, k_main))
+                    drafted, dists, draft_ms = await self._take_draft(committed, min(k, k_main))
                     draft = drafted.tokens
                     if draft and self.params.branch_prompts and self.drafter is not None:
                         branch, branch_ms = await self._branch(drafted, k)
@@ -777,6 +818,13 @@ class Generation:
                     runner_up = drafted.alternatives[rejected]
                     if runner_up is not None:
                         self.policy.observe_runner_up(results[rejected].token == runner_up[0])
+                if sampling is None and self.params.early_draft and not self.params.branch_prompts:
+                    # the next round's committed sequence is known: draft it while this
+                    # round's tokens are committed (wasted only where the generation stops)
+                    room_next = room - len(acceptance.tokens)
+                    k_next = min(self.params.k, room_next - 1)
+                    k_next = min(k_next, self.policy.length(self._ahead_expected()))
+                    self._start_early_draft(committed + acceptance.tokens, k_next)
                 n_committed = 0
                 for position, token in enumerate(acceptance.tokens):
                     result = results[position]
@@ -869,6 +917,7 @@ class Generation:
                 if self.observer is not None:
                     self.observer.observe_round(record)
         finally:
+            await self._drop_early_draft()
             await self._stop_ahead()
             if self.drafter is not None:
                 await _close_quietly(self.drafter)

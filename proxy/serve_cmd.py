@@ -65,6 +65,16 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         {"action": "store_const", "const": "off", "dest": "overlap", "help": "--overlap off"},
     ),
     (
+        ("--early-draft",),
+        {
+            "choices": ["on", "off"],
+            "dest": "early_draft",
+            "help": "on (default): start the next round's draft as soon as a verify result "
+            "is back, while the proxy commits the round's tokens; off: when the next round "
+            "starts",
+        },
+    ),
+    (
         ("--predraft",),
         {
             "choices": ["on", "off"],
@@ -301,6 +311,7 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
             open_drafter,
             adaptive_k=settings.adaptive_k,
             draft_length=settings.draft_length,
+            early_draft=settings.early_draft,
             overlap=settings.overlap,
             plain_runs=settings.plain_runs,
             predraft=settings.predraft,

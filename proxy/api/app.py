@@ -58,6 +58,7 @@ class ProxyState:
     replicate_prefill: bool = True
     adaptive_k: bool = True
     draft_length: str = "formula"  # formula | marginal (proxy.adaptive_k)
+    early_draft: bool = True  # draft the next round as soon as a verify result is back
     overlap: str = "auto"  # auto | on | off (proxy.overlap_policy)
     plain_runs: str = "auto"  # auto | off (proxy.plain_runs)
     predraft: bool = False  # draft after the likeliest runner-up during verification
@@ -435,6 +436,7 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
                 overlap=state.overlap != "off",
                 predraft=state.predraft,
                 branch_prompts=state.branch_prompts,
+                early_draft=state.early_draft,
             ),
             n_ctx=state.n_ctx,
             drafter=await state.drafters.open(),

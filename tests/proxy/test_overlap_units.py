@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import numpy as np
@@ -378,3 +379,79 @@ def test_acceptance_counts_rejections_not_draft_lengths():
     for _ in range(20):
         policy.observe(RoundCosts([1.0] * 4, 2, 3, 4.0, 20.0, 30.0))
     assert policy.acceptance_rate() == pytest.approx(2 / 3)
+
+
+# -- the engine: the next round's draft starts when the verify result is back --------
+
+
+class ScriptSession(CountingSession):
+    """Drafts a fixed script (wrong at some positions) and records, for every token it
+    drafts, how many tokens the consumer had taken from the engine by then."""
+
+    def __init__(self, script: list[int], n_prompt: int, wrong_at: set[int], seen: list[int]):
+        super().__init__(prob=1.0)
+        self.script, self.n_prompt, self.wrong_at, self.seen = script, n_prompt, wrong_at, seen
+        self.drafted_at: list[tuple[int, int]] = []  # (sequence length, tokens consumed)
+        self.synced_at: list[tuple[int, int]] = []
+
+    def sync(self, tokens: Sequence[int]) -> SyncStats:
+        self.synced_at.append((len(tokens), self.seen[0]))
+        return super().sync(tokens)
+
+    def propose(self, k, sampling=GREEDY, rng=None, cancel=None) -> Draft:
+        draft = Draft()
+        for _ in range(k):
+            if cancel is not None and cancel.cancelled:
+                break
+            position = len(self._tokens) - self.n_prompt
+            if position >= len(self.script):
+                break
+            self.drafted_at.append((len(self._tokens), self.seen[0]))
+            token = self.script[position] + (1000 if position in self.wrong_at else 0)
+            self._tokens.append(token)
+            draft.tokens.append(token)
+            draft.probs.append(1.0)
+        return draft
+
+
+async def _run_engine(early: bool, overlap: bool, consumer_sleep_s: float = 0.0):
+    from proxy.engine import Generation, GenerationParams, PieceCache
+    from tests.proxy.test_units import FakeUpstream
+
+    script = list(range(100, 140))
+    seen = [0]
+    session = ScriptSession(script, 2, {3, 9, 10, 17}, seen)
+    upstream = FakeUpstream(script)
+    params = GenerationParams(n_predict=30, k=3, overlap=overlap, early_draft=early)
+    generation = Generation(
+        upstream, [1, 2], params, 1000, AsyncSessionDrafter(session), PieceCache(upstream),
+        check_decodes=True, strict_decodes=True,
+    )  # fmt: skip
+    tokens = []
+    async for event in generation.run():
+        tokens.append(event.token)
+        seen[0] += 1
+        if consumer_sleep_s:
+            await asyncio.sleep(consumer_sleep_s)  # a slow client: the proxy's own work
+    return script, tokens, generation.result, session
+
+
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_engine_output_is_the_servers_with_or_without_early_drafts(early, overlap):
+    script, tokens, result, _ = await _run_engine(early, overlap)
+    assert tokens == script[:30]
+    assert sum(r.n_committed for r in result.rounds) == 30
+    assert any(r.n_accepted < r.n_drafted for r in result.rounds)  # misses happened
+
+
+async def test_early_draft_drafts_the_next_round_while_the_last_is_committed():
+    """With a slow consumer, the drafter re-syncs to a round's committed sequence while
+    the consumer is still taking that round's tokens (early draft); without it, only
+    once the consumer has taken them all."""
+    n_prompt = 2
+    _, _, _, session = await _run_engine(True, False, consumer_sleep_s=0.02)
+    assert any(consumed < n - n_prompt for n, consumed in session.synced_at), session.synced_at
+    _, _, _, session = await _run_engine(False, False, consumer_sleep_s=0.02)
+    assert len(session.synced_at) > 3
+    assert all(consumed == n - n_prompt for n, consumed in session.synced_at)
