@@ -38,6 +38,7 @@ from proxy.llama_server import free_port
 from proxy.managed import ServerLayout, managed_server
 
 SUMS = ("draft_ms", "verify_ms", "overhead_ms", "server_idle_ms", "drafter_idle_ms")
+GAUGES = ("draft_acceptance", "draft_token_ms", "draft_resync_ms", "draft_length_chosen")
 COUNTERS = (
     "rounds_total",
     "draft_tokens_total",
@@ -137,20 +138,22 @@ async def measure(args: argparse.Namespace) -> None:
                     proxy.terminate()
                     proxy.wait(10)
                 d = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
-                results.append(summarise(name, options, d, wall, generated, args))
+                results.append(summarise(name, options, d, after, wall, generated, args))
     finally:
         await server.stop()
     print(json.dumps(results, indent=1))
     print_table(results)
 
 
-def summarise(name, options, d, wall, generated, args) -> dict:
+def summarise(name, options, d, after, wall, generated, args) -> dict:
     rounds = d.get("npu_spec_rounds_total", 0.0) or 1.0
     row = {"config": name, "options": options, "tok_s": generated / wall, "rounds": rounds}
     for key in SUMS:
         row[key] = d.get(f"npu_spec_{key}_sum", 0.0) / rounds
     for key in COUNTERS:
         row[key] = d.get(f"npu_spec_{key}", 0.0)
+    for key in GAUGES:  # the policies' own measurements at the end
+        row[key] = after.get(f"npu_spec_{key}", float("nan"))
     drafted = row["draft_tokens_total"]
     row["k_mean"] = drafted / rounds
     spec_tokens = generated - row["plain_run_tokens_total"]
@@ -169,6 +172,7 @@ def print_table(rows: list[dict]) -> None:
         "config", "tok_s", "spec_tok_s", "ideal_tok_s", "naive_tok_s", "k_mean",
         "tokens_per_round", "round_ms", "verify_ms", "draft_ms", "overhead_ms",
         "server_idle_ms", "drafter_idle_ms", "ahead_tokens_total", "plain_run_tokens_total",
+        *GAUGES,
     )  # fmt: skip
     print(" | ".join(head))
     for row in rows:
