@@ -44,9 +44,12 @@ from typing import Literal
 
 import numpy as np
 
-# formula: one length per state, the k that maximises expected tokens per expected
-# round time (see `round_ms_model`); marginal: the per-position rule above
-LengthRule = Literal["formula", "marginal"]
+# uniform: one length, the k that maximises expected tokens per expected round time
+# (see `round_ms_model`); formula: the same with two lengths where drafting ahead is on,
+# one for rounds whose drafts are ready from drafting ahead and one for rounds that
+# draft fresh (see `two_lengths`); marginal: the per-position rule above
+LengthRule = Literal["formula", "uniform", "marginal"]
+_FORMULA_RULES = ("formula", "uniform")
 
 _ALPHA = 0.2  # weight of the newest round in the running averages
 _PRIOR_VERIFY_SLOPE_MS = 1.0  # per extra draft; H200 14B: 1.5 at 512 tokens, 3 at 4k
@@ -84,8 +87,10 @@ class DraftLengthPolicy:
     """Chooses each round's draft length; shared by the requests of one proxy."""
 
     def __init__(self, k_max: int, adaptive: bool = True, rule: LengthRule = "formula") -> None:
-        if rule not in ("formula", "marginal"):
-            raise ValueError(f"draft-length rule must be formula or marginal, not {rule!r}")
+        if rule not in ("formula", "uniform", "marginal"):
+            raise ValueError(
+                f"draft-length rule must be formula, uniform or marginal, not {rule!r}"
+            )
         self.k_max = k_max
         self.adaptive = adaptive
         self.rule = rule
@@ -101,6 +106,7 @@ class DraftLengthPolicy:
         self.proxy_ms: float | None = None
         self._best: int | None = None  # the formula's k, refreshed per observed round
         self._best_ahead = True
+        self._two: tuple[int, int] | None = None  # the two-length formula's choice
         self.calibration = 1.0  # accepted / expected, running
         self._accepted: float | None = None
         self._expected: float | None = None
@@ -117,10 +123,62 @@ class DraftLengthPolicy:
     def length(self, ahead: bool) -> int:
         """The most drafts the next round should send: k_max until measured, or in
         fixed-k and marginal modes (where `worth` cuts per position); else the
-        formula's best length for drafting ahead on or off."""
-        if not self.adaptive or self.rule != "formula" or self.rounds < _MIN_ROUNDS:
+        formula's best length for drafting ahead on or off (with two lengths: the one
+        for rounds whose drafts were drafted ahead, which drafting ahead aims for)."""
+        if not self.adaptive or self.rule not in _FORMULA_RULES or self.rounds < _MIN_ROUNDS:
             return self.k_max
+        if self.rule == "formula" and ahead:
+            return self.two_lengths()[0]
         return self.best_length(ahead)
+
+    def fresh_length(self, ahead: bool) -> int:
+        """The most drafts of a round that drafts them fresh (no line drafted ahead
+        holds its committed sequence): `length` except with two lengths."""
+        if self.rule == "formula" and ahead and self.adaptive and self.rounds >= _MIN_ROUNDS:
+            return self.two_lengths()[1]
+        return self.length(ahead)
+
+    def two_lengths(self) -> tuple[int, int]:
+        """(k_ready, k_fresh) maximising the long-run tokens per ms of a two-state chain.
+
+        A round whose drafts were drafted ahead (state R) pays verify(k_R) only; a
+        round that drafts fresh (state M) also pays t_resync + k_M t_d. From either
+        state the next round is in R when all k drafts and the bonus guess are
+        accepted (chance p_s = a^(k_s+1)), else in M; a round in R waits for what
+        drafting k_R + 1 tokens ahead took beyond the verification before it. With
+        pi_R = p_M / (1 - p_R + p_M) the rate is
+
+            (pi_R E(k_R) + pi_M E(k_M)) / (pi_R T_R + pi_M T_M)
+
+        With k_R = k_M it is the one-length formula; a slow drafter gains by drafting
+        few tokens fresh and many where they are ready."""
+        if self._two is not None:
+            return self._two
+        a = self.acceptance_rate() or 0.0
+        t_d = self.token_ms or 0.0
+        proxy = self.proxy_ms or 0.0
+        ks = range(1, self.k_max + 1)
+        tokens = {k: self.expected_tokens(k) for k in ks}
+        verify = {k: self.verify_ms_at(k) for k in ks}
+        fresh = {k: max((self.resync_ms or 0.0) + k * t_d, 0.0) for k in ks}
+        best, best_rate = (1, 1), -1.0
+        for k_r in ks:
+            for k_m in ks:
+                p_r, p_m = a ** (k_r + 1), a ** (k_m + 1)
+                # a hit after a round of k waits for drafting k_r + 1 ahead beyond verify(k)
+                t_r = proxy + verify[k_r] + p_r * max(0.0, (k_r + 1) * t_d - verify[k_r])
+                t_m = (
+                    proxy + verify[k_m] + fresh[k_m]
+                    + p_m * max(0.0, (k_r + 1) * t_d - verify[k_m])
+                )  # fmt: skip
+                pi_r = p_m / max(1.0 - p_r + p_m, 1e-9)
+                rate = (pi_r * tokens[k_r] + (1 - pi_r) * tokens[k_m]) / max(
+                    pi_r * t_r + (1 - pi_r) * t_m, 1e-6
+                )
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = (k_r, k_m), rate
+        self._two = best
+        return best
 
     def acceptance_rate(self) -> float | None:
         """Per-draft acceptance a = accepted / (accepted + rejections)."""
@@ -183,7 +241,7 @@ class DraftLengthPolicy:
             return False
         if not self.adaptive or position == 1 or self.rounds < _MIN_ROUNDS:
             return True
-        if self.rule == "formula":  # the length was chosen before drafting (`length`)
+        if self.rule in _FORMULA_RULES:  # the length was chosen before drafting (`length`)
             return True
         assert self.round_ms is not None and self.tokens_per_round is not None
         token_ms = self.round_ms / max(self.tokens_per_round, 1.0)
@@ -294,7 +352,7 @@ class DraftLengthPolicy:
             # own work on the previous round)
             self.resync_ms = _ema(self.resync_ms, costs.draft_ms - costs.fresh_ms)
         self.proxy_ms = _ema(self.proxy_ms, costs.overhead_ms)
-        self._best = None
+        self._best = self._two = None
         self.rounds += 1
 
     def snapshot(self) -> dict[str, float | int | None]:
@@ -310,6 +368,7 @@ class DraftLengthPolicy:
             "acceptance": self.acceptance_rate(),
             "draft_token_ms": self.token_ms,
             "resync_ms": self.resync_ms,
-            "formula_k_ahead": self.best_length(True) if self.rounds else None,
+            "formula_k_ahead": self.length(True) if self.rounds else None,
+            "formula_k_fresh": self.fresh_length(True) if self.rounds else None,
             "formula_k_serial": self.best_length(False) if self.rounds else None,
         }

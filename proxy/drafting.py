@@ -194,7 +194,11 @@ class AsyncSessionDrafter:
         draft = await self.draft(committed, k, always)
         return draft.tokens
 
-    async def draft(self, committed: Sequence[int], k_max: int, worth: StopRule) -> GreedyDraft:
+    async def draft(
+        self, committed: Sequence[int], k_max: int, worth: StopRule, k_fresh: int | None = None
+    ) -> GreedyDraft:
+        """Up to k_max drafts after `committed`; at most `k_fresh` where none of them
+        was drafted ahead (each then costs a drafter step the round waits for)."""
         committed = list(committed)
 
         def work(session: DraftSession) -> GreedyDraft:
@@ -202,8 +206,9 @@ class AsyncSessionDrafter:
             lines = self._lines
             ready = lines.take(session, committed)
             out.resynced = lines.resynced
+            limit = k_max if ready or k_fresh is None else min(k_max, k_fresh)
             cumulative = 1.0
-            for position in range(1, k_max + 1):
+            for position in range(1, limit + 1):
                 from_line = position <= len(ready)
                 if from_line:
                     token, prob, alt = ready[position - 1]

@@ -456,7 +456,7 @@ class Generation:
         self._ahead_span: tuple[float, float | None] | None = None
         # the next round's draft, started when the verify result came back:
         # (the committed sequence it drafts after, its length, the drafting task)
-        self._early: tuple[list[int], int, asyncio.Task[DraftOutcome]] | None = None
+        self._early: tuple[list[int], int, int, asyncio.Task[DraftOutcome]] | None = None
 
     async def _draft(
         self,
@@ -464,8 +464,10 @@ class Generation:
         k: int,
         sampling: SamplingParams | None = None,
         rng: np.random.Generator | None = None,
+        k_fresh: int | None = None,
     ) -> DraftOutcome:
-        """(the draft, its q in sampling mode, ms the round waited for it)."""
+        """(the draft, its q in sampling mode, ms the round waited for it). Greedy:
+        at most `k_fresh` drafts where none was drafted ahead."""
         if k <= 0 or self.drafter is None:
             return GreedyDraft(), None, 0.0
         started = time.perf_counter()
@@ -477,9 +479,13 @@ class Generation:
                 tokens, dists = await _propose_sampled(self.drafter, committed, k, sampling, rng)
                 draft = GreedyDraft(tokens=tokens)
             elif (draft_fn := getattr(self.drafter, "draft", None)) is not None:
-                draft = await draft_fn(committed, k, self.policy.worth)
+                if k_fresh is not None and k_fresh < k:
+                    draft = await draft_fn(committed, k, self.policy.worth, k_fresh)
+                else:
+                    draft = await draft_fn(committed, k, self.policy.worth)
             else:  # a drafter that only proposes: fixed length, no probabilities
-                draft = GreedyDraft(tokens=list(await self.drafter.propose(committed, k)))
+                fresh = k if k_fresh is None else min(k, k_fresh)
+                draft = GreedyDraft(tokens=list(await self.drafter.propose(committed, fresh)))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -488,33 +494,35 @@ class Generation:
         draft.tokens, draft.probs = draft.tokens[:k], draft.probs[:k]
         return draft, dists, (time.perf_counter() - started) * 1e3
 
-    def _start_early_draft(self, committed: list[int], k: int) -> None:
+    def _start_early_draft(self, committed: list[int], k: int, k_fresh: int) -> None:
         """Draft the next round now (after `committed`, up to k), while the proxy
         commits this round's tokens; `_take_draft` picks it up."""
         if k <= 0 or self.drafter is None or getattr(self.drafter, "draft", None) is None:
             return
-        self._early = (committed, k, asyncio.create_task(self._draft(committed, k)))
+        task = asyncio.create_task(self._draft(committed, k, k_fresh=k_fresh))
+        self._early = (committed, k, k_fresh, task)
 
     async def _drop_early_draft(self) -> None:
         early, self._early = self._early, None
         if early is not None:
-            early[2].cancel()
-            await asyncio.gather(early[2], return_exceptions=True)
+            early[3].cancel()
+            await asyncio.gather(early[3], return_exceptions=True)
 
-    async def _take_draft(self, committed: list[int], k: int) -> DraftOutcome:
-        """The greedy draft of up to k tokens after `committed`: the early draft where
-        it drafted after the same sequence (extended where it is shorter), else now.
-        The time returned is what this call waited."""
+    async def _take_draft(self, committed: list[int], k: int, k_fresh: int) -> DraftOutcome:
+        """The greedy draft of up to k tokens (k_fresh where none was drafted ahead)
+        after `committed`: the early draft where it drafted after the same sequence
+        (extended where it is shorter), else now. The time returned is what this call
+        waited."""
         early, self._early = self._early, None
         if early is None:
-            return await self._draft(committed, k)
-        early_committed, early_k, task = early
+            return await self._draft(committed, k, k_fresh=k_fresh)
+        early_committed, early_k, early_fresh, task = early
         started = time.perf_counter()
         drafted, dists, _ = await task
-        if early_committed != committed or early_k < k:
+        if early_committed != committed or early_k < k or early_fresh < min(k_fresh, k):
             # another sequence (a plain run came between), or a longer draft wanted now:
             # the line keeps what was drafted, so drafting again reuses it
-            return await self._draft(committed, k)
+            return await self._draft(committed, k, k_fresh=k_fresh)
         drafted.tokens, drafted.probs = drafted.tokens[:k], drafted.probs[:k]
         drafted.alternatives = drafted.alternatives[:k]
         return drafted, dists, (time.perf_counter() - started) * 1e3
@@ -756,8 +764,10 @@ class Generation:
                     k = 0  # prefill one slot only (copies of it follow where replicating)
                 branch: Branch | None = None
                 if sampling is None:
-                    k_main = min(k_main, self.policy.length(self._ahead_expected()))
-                    drafted, dists, draft_ms = await self._take_draft(committed, min(k, k_main))
+                    ahead = self._ahead_expected()
+                    k_main = min(k, k_main, self.policy.length(ahead))
+                    k_fresh = min(k_main, self.policy.fresh_length(ahead))
+                    drafted, dists, draft_ms = await self._take_draft(committed, k_main, k_fresh)
                     draft = drafted.tokens
                     if draft and self.params.branch_prompts and self.drafter is not None:
                         branch, branch_ms = await self._branch(drafted, k)
@@ -823,8 +833,10 @@ class Generation:
                     # round's tokens are committed (wasted only where the generation stops)
                     room_next = room - len(acceptance.tokens)
                     k_next = min(self.params.k, room_next - 1)
-                    k_next = min(k_next, self.policy.length(self._ahead_expected()))
-                    self._start_early_draft(committed + acceptance.tokens, k_next)
+                    ahead = self._ahead_expected()
+                    k_next = min(k_next, self.policy.length(ahead))
+                    k_fresh = min(k_next, self.policy.fresh_length(ahead))
+                    self._start_early_draft(committed + acceptance.tokens, k_next, k_fresh)
                 n_committed = 0
                 for position, token in enumerate(acceptance.tokens):
                     result = results[position]

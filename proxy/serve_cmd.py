@@ -43,12 +43,14 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (
         ("--draft-length",),
         {
-            "choices": ["formula", "marginal"],
+            "choices": ["formula", "uniform", "marginal"],
             "dest": "draft_length",
-            "help": "adaptive draft length: formula (default; the k with the most expected "
-            "tokens per expected round time, with measured acceptance, drafting speed and "
-            "per-length verify costs, counting only drafting not hidden by drafting ahead) or "
-            "marginal (position by position from the draft's own confidence)",
+            "help": "adaptive draft length: formula (default; the lengths with the most "
+            "expected tokens per expected round time, from measured acceptance, drafting "
+            "speed and per-length verify costs, counting only drafting not hidden by drafting "
+            "ahead: one for rounds whose drafts were drafted ahead, a shorter one for rounds "
+            "that draft fresh), uniform (one such length) or marginal (position by position "
+            "from the draft's own confidence)",
         },
     ),
     (

@@ -212,6 +212,18 @@ def test_overlap_policy_keeps_drafting_ahead_where_it_costs_verification_nothing
     assert later.count(False) <= len(later) / 8 + 1  # only the periodic re-tries
 
 
+def test_overlap_policy_tries_the_losing_choice_less_and_less_often():
+    """Drafting ahead on a processor of its own never slows verification: each try of
+    "off" only loses a round's drafting, so the tries thin out to one in 64 rounds."""
+    from proxy.overlap_policy import OverlapPolicy
+
+    policy = OverlapPolicy("auto")
+    choices = run_rounds(policy, 1200, penalty_ms=0.0, draft_ms_per_token=5.0, hit=0.5)
+    assert policy.best() is True
+    late = choices[400:]
+    assert late.count(False) <= len(late) / 64 + 1
+
+
 def test_overlap_policy_drops_drafting_ahead_when_it_slows_verification_more_than_it_saves():
     from proxy.overlap_policy import OverlapPolicy
 
@@ -284,11 +296,12 @@ def formula_policy(
     resync_ms: float,
     proxy_ms: float = 0.0,
     k_max: int = 6,
+    rule: str = "uniform",
 ) -> DraftLengthPolicy:
     """A formula policy that measured these costs: rounds of every length whose drafts
     were accepted at rate a (each round: its accepted drafts and one rejection, in
     proportions that give S / (S + F) = a), half of them re-synced."""
-    policy = DraftLengthPolicy(k_max)
+    policy = DraftLengthPolicy(k_max, rule=rule)
     for n in list(verify_ms) * 4:
         for accepted in (n, n - 1):  # one fully accepted, one rejected round per length
             policy.observe(
@@ -298,7 +311,7 @@ def formula_policy(
             )  # fmt: skip
     # the acceptance itself: from rounds whose counts give exactly a (weights 1 : 1)
     policy._successes, policy._failures = a, 1.0 - a
-    policy._best = None
+    policy._best = policy._two = None
     return policy
 
 
@@ -455,3 +468,65 @@ async def test_early_draft_drafts_the_next_round_while_the_last_is_committed():
     _, _, _, session = await _run_engine(False, False, consumer_sleep_s=0.02)
     assert len(session.synced_at) > 3
     assert all(consumed == n - n_prompt for n, consumed in session.synced_at)
+
+
+def brute_force_two_lengths(
+    verify_ms: dict[int, float], a: float, t_d: float, t_resync: float, proxy_ms: float
+) -> tuple[int, int]:
+    """The two-state chain written out: rounds in R (drafts ready) and M (fresh)."""
+    e = {k: (1 - a ** (k + 1)) / (1 - a) for k in verify_ms}
+    best, best_rate = None, -1.0
+    for k_r in sorted(verify_ms):
+        for k_m in sorted(verify_ms):
+            stay, back = a ** (k_r + 1), a ** (k_m + 1)  # P(next in R | R), P(next in R | M)
+            share_r = back / (1 - stay + back)  # stationary share of rounds in R
+            late_r = stay * max(0.0, (k_r + 1) * t_d - verify_ms[k_r])
+            late_m = back * max(0.0, (k_r + 1) * t_d - verify_ms[k_m])
+            time_r = proxy_ms + verify_ms[k_r] + late_r
+            time_m = proxy_ms + verify_ms[k_m] + max(0.0, t_resync + k_m * t_d) + late_m
+            rate = (share_r * e[k_r] + (1 - share_r) * e[k_m]) / (
+                share_r * time_r + (1 - share_r) * time_m
+            )
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = (k_r, k_m), rate
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize(
+    ("a", "t_d", "t_resync", "proxy_ms"),
+    [(0.77, 2.5, 0.5, 1.0), (0.77, 1.1, 0.3, 0.5), (0.77, 5.0, 0.5, 1.0), (0.5, 4.0, 1.0, 2.0),
+     (0.9, 11.0, 1.0, 0.5), (0.3, 2.0, 0.5, 1.0)],
+)  # fmt: skip
+def test_two_lengths_are_the_argmax_of_the_two_state_rate(a, t_d, t_resync, proxy_ms):
+    policy = formula_policy(H200_512, a, t_d, t_resync, proxy_ms, rule="formula")
+    expected = brute_force_two_lengths(H200_512, a, t_d, t_resync, proxy_ms)
+    assert (policy.length(ahead=True), policy.fresh_length(ahead=True)) == expected
+    # serial drafting has one state: the one-length formula
+    assert policy.length(ahead=False) == policy.fresh_length(ahead=False)
+    assert policy.length(False) == brute_force_k(H200_512, a, t_d, t_resync, False, proxy_ms)
+
+
+def test_two_lengths_draft_few_fresh_and_many_ready_for_a_slowish_drafter():
+    """H200 14B f16 at 512, a = 0.77, drafter at 2.5 ms a token (X = 0.27): six drafts
+    where they are ready, one where they must be drafted fresh (~114 tok/s by the
+    model, against ~105 for the best single length, k = 3)."""
+    policy = formula_policy(H200_512, 0.77, 2.5, 0.0, rule="formula")
+    assert (policy.length(True), policy.fresh_length(True)) == (6, 1)
+    assert formula_policy(H200_512, 0.77, 2.5, 0.0).length(True) == 3  # uniform
+
+
+async def test_a_round_without_drafts_ready_drafts_at_most_k_fresh():
+    session = CountingSession()
+    drafter = AsyncSessionDrafter(session)
+    committed = [1, 2, 3]
+    try:
+        first = await drafter.draft(committed, 4, always, 1)  # nothing drafted ahead
+        assert first.tokens == expected_draft(committed, 1) and first.resynced
+        assert await drafter.extend(5, CancelToken()) == 5
+        line = committed + first.tokens
+        line.append(next_token(line))  # accepted, bonus = the drafter's guess
+        second = await drafter.draft(line, 4, always, 1)  # drafts ready: up to 4
+        assert second.tokens == expected_draft(line, 4) and second.reused == 4
+    finally:
+        await drafter.close()
