@@ -12,8 +12,15 @@ so a run is repeatable and a position drafted twice gets the same verdict. Per
 position the verdicts are independent Bernoulli(acceptance) draws, which is exactly
 the i.i.d. acceptance the cost model of DESIGN.md section 4 assumes.
 
-Off the reference path (a prompt it does not know, or a sequence that left the
-recorded continuation) it proposes nothing: the proxy then decodes plainly.
+Off the reference path (a prompt it does not know, or a committed sequence that left
+the recorded continuation) it proposes nothing: the proxy then decodes plainly. Its
+own drafts may leave the path (a corrupted token): it drafts on after them, as a real
+drafter does, so a round verifies as many drafts as it asked for (the drafts after a
+wrong one cannot be accepted, whatever they are).
+
+The per-token delay is a sleep on the calling thread (the engine's drafter thread):
+it holds neither the event loop nor the GIL, so the drafter runs truly in parallel
+with the proxy and the server, as an NPU does.
 
 Folder form (loaded by `OracleDraftModel.from_folder`): `oracle.json` holding
 
@@ -45,6 +52,9 @@ from npu_draft.protocol import (
 
 ORACLE_FILE = "oracle.json"
 QWEN_VOCAB = 151936
+# drafts past the first wrong one: at most this many tokens beyond the path (more than
+# any round drafts; a committed sequence that left the path soon exceeds it)
+PAST_MISS = 32
 _MASK64 = (1 << 64) - 1
 
 
@@ -149,6 +159,13 @@ class OracleDraftSession:
             position = self._ref.position(self._tokens, self._on_path)
             if position is not None:
                 return self._ref, position
+            if (
+                len(self._ref.prompt)
+                <= self._on_path
+                < len(self._tokens)
+                <= (self._on_path + PAST_MISS)
+            ):  # drafting on after its own wrong draft
+                return self._ref, len(self._tokens) - len(self._ref.prompt)
         for ref in self._model.references:
             if ref is self._ref:
                 continue

@@ -40,8 +40,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+# uniform: one length, the k that maximises expected tokens per expected round time
+# (see `round_ms_model`); formula: the same with two lengths where drafting ahead is on,
+# one for rounds whose drafts are ready from drafting ahead and one for rounds that
+# draft fresh (see `two_lengths`); marginal: the per-position rule above
+LengthRule = Literal["formula", "uniform", "marginal"]
+_FORMULA_RULES = ("formula", "uniform")
 
 _ALPHA = 0.2  # weight of the newest round in the running averages
 _PRIOR_VERIFY_SLOPE_MS = 1.0  # per extra draft; H200 14B: 1.5 at 512 tokens, 3 at 4k
@@ -66,15 +74,39 @@ class RoundCosts:
     verify_ms: float
     round_ms: float
     n_branch: int = 0  # extra prompts verifying a runner-up's line (proxy.drafting.Branch)
+    # what the drafter itself spent on the tokens it drafted fresh for this round (not
+    # taken from drafting ahead), and whether the round started with a re-sync (no line
+    # held the committed sequence: a miss, or no drafting ahead)
+    fresh_tokens: int = 0
+    fresh_ms: float = 0.0
+    resynced: bool = False
+    overhead_ms: float = 0.0  # the proxy's own time in the round
 
 
 class DraftLengthPolicy:
     """Chooses each round's draft length; shared by the requests of one proxy."""
 
-    def __init__(self, k_max: int, adaptive: bool = True) -> None:
+    def __init__(self, k_max: int, adaptive: bool = True, rule: LengthRule = "formula") -> None:
+        if rule not in ("formula", "uniform", "marginal"):
+            raise ValueError(
+                f"draft-length rule must be formula, uniform or marginal, not {rule!r}"
+            )
         self.k_max = k_max
         self.adaptive = adaptive
+        self.rule = rule
         self.rounds = 0
+        # the formula's measurements: accepted drafts and rejections (running sums:
+        # a = S / (S + F) is the per-draft acceptance of a geometric model, unbiased
+        # where rounds end at their draft length), the drafter's own ms per fresh
+        # token, the unhidden fixed cost of a re-synced round, the proxy's own time
+        self._successes: float | None = None
+        self._failures: float | None = None
+        self.token_ms: float | None = None
+        self.resync_ms: float | None = None
+        self.proxy_ms: float | None = None
+        self._best: int | None = None  # the formula's k, refreshed per observed round
+        self._best_ahead = True
+        self._two: tuple[int, int] | None = None  # the two-length formula's choice
         self.calibration = 1.0  # accepted / expected, running
         self._accepted: float | None = None
         self._expected: float | None = None
@@ -88,11 +120,128 @@ class DraftLengthPolicy:
         self.acceptance: float | None = None  # accepted / drafted, running
         self.runner_up_hits: float | None = None  # rejections the runner-up would have saved
 
+    def length(self, ahead: bool) -> int:
+        """The most drafts the next round should send: k_max until measured, or in
+        fixed-k and marginal modes (where `worth` cuts per position); else the
+        formula's best length for drafting ahead on or off (with two lengths: the one
+        for rounds whose drafts were drafted ahead, which drafting ahead aims for)."""
+        if not self.adaptive or self.rule not in _FORMULA_RULES or self.rounds < _MIN_ROUNDS:
+            return self.k_max
+        if self.rule == "formula" and ahead:
+            return self.two_lengths()[0]
+        return self.best_length(ahead)
+
+    def fresh_length(self, ahead: bool) -> int:
+        """The most drafts of a round that drafts them fresh (no line drafted ahead
+        holds its committed sequence): `length` except with two lengths."""
+        if self.rule == "formula" and ahead and self.adaptive and self.rounds >= _MIN_ROUNDS:
+            return self.two_lengths()[1]
+        return self.length(ahead)
+
+    def two_lengths(self) -> tuple[int, int]:
+        """(k_ready, k_fresh) maximising the long-run tokens per ms of a two-state chain.
+
+        A round whose drafts were drafted ahead (state R) pays verify(k_R) only; a
+        round that drafts fresh (state M) also pays t_resync + k_M t_d. From either
+        state the next round is in R when all k drafts and the bonus guess are
+        accepted (chance p_s = a^(k_s+1)), else in M; a round in R waits for what
+        drafting k_R + 1 tokens ahead took beyond the verification before it. With
+        pi_R = p_M / (1 - p_R + p_M) the rate is
+
+            (pi_R E(k_R) + pi_M E(k_M)) / (pi_R T_R + pi_M T_M)
+
+        With k_R = k_M it is the one-length formula; a slow drafter gains by drafting
+        few tokens fresh and many where they are ready."""
+        if self._two is not None:
+            return self._two
+        a = self.acceptance_rate() or 0.0
+        t_d = self.token_ms or 0.0
+        proxy = self.proxy_ms or 0.0
+        ks = range(1, self.k_max + 1)
+        tokens = {k: self.expected_tokens(k) for k in ks}
+        verify = {k: self.verify_ms_at(k) for k in ks}
+        fresh = {k: max((self.resync_ms or 0.0) + k * t_d, 0.0) for k in ks}
+        best, best_rate = (1, 1), -1.0
+        for k_r in ks:
+            for k_m in ks:
+                p_r, p_m = a ** (k_r + 1), a ** (k_m + 1)
+                # a hit after a round of k waits for drafting k_r + 1 ahead beyond verify(k)
+                t_r = proxy + verify[k_r] + p_r * max(0.0, (k_r + 1) * t_d - verify[k_r])
+                t_m = (
+                    proxy + verify[k_m] + fresh[k_m]
+                    + p_m * max(0.0, (k_r + 1) * t_d - verify[k_m])
+                )  # fmt: skip
+                pi_r = p_m / max(1.0 - p_r + p_m, 1e-9)
+                rate = (pi_r * tokens[k_r] + (1 - pi_r) * tokens[k_m]) / max(
+                    pi_r * t_r + (1 - pi_r) * t_m, 1e-6
+                )
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = (k_r, k_m), rate
+        self._two = best
+        return best
+
+    def acceptance_rate(self) -> float | None:
+        """Per-draft acceptance a = accepted / (accepted + rejections)."""
+        if self._successes is None or self._failures is None:
+            return None
+        return self._successes / max(self._successes + self._failures, 1e-9)
+
+    def round_ms_model(self, k: int, ahead: bool) -> float:
+        """Expected time of a round of k drafts (DESIGN.md section 4):
+
+            verify(k) + proxy + (1 - a^(k+1)) (t_resync + k t_d)            ahead
+            verify(k) + proxy + t_resync + k t_d                            serial
+
+        Drafting ahead hides the next block when all k drafts and the bonus guess
+        are accepted (chance a^(k+1)); then only what drafting k+1 tokens takes
+        beyond the verification is paid."""
+        a = self.acceptance_rate() or 0.0
+        t_d = self.token_ms or 0.0
+        fixed = self.verify_ms_at(k) + (self.proxy_ms or 0.0)
+        fresh = max((self.resync_ms or 0.0) + k * t_d, 0.0)  # what a miss leaves unhidden
+        if not ahead:
+            return fixed + fresh
+        hit = a ** (k + 1)
+        unhidden_on_hit = max(0.0, (k + 1) * t_d - self.verify_ms_at(k))
+        return fixed + hit * unhidden_on_hit + (1.0 - hit) * fresh
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k) = (1 - a^(k+1)) / (1 - a): accepted drafts plus the server's token."""
+        a = min(self.acceptance_rate() or 0.0, 0.999)
+        return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def best_length(self, ahead: bool) -> int:
+        """argmax over 1..k_max of E(k) / T(k) (the shorter k on a tie)."""
+        if self._best is not None and ahead == self._best_ahead:
+            return self._best
+        best, best_rate = 1, -1.0
+        for k in range(1, self.k_max + 1):
+            rate = self.expected_tokens(k) / max(self.round_ms_model(k, ahead), 1e-6)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = k, rate
+        self._best, self._best_ahead = best, ahead
+        return best
+
+    def verify_ms_at(self, n: int) -> float:
+        """Mean verify time of rounds with n drafts: measured where there are enough
+        samples, else extrapolated from the nearest measured length by the slope."""
+        known = {m: v for m, (v, c) in self._by_length.items() if c >= _MIN_LENGTH_SAMPLES}
+        if not known:
+            known = {m: v for m, (v, _c) in self._by_length.items()}
+        if not known:
+            return 0.0
+        if n in known:
+            return known[n]
+        nearest = min(known, key=lambda m: (abs(m - n), m))
+        return max(known[nearest] + self.verify_slope_ms() * (n - nearest), 0.0)
+
     def worth(self, position: int, cumulative_p: float) -> bool:
         """Draft position `position` (1-based), whose drafts so far have joint p?"""
         if position > self.k_max:
             return False
         if not self.adaptive or position == 1 or self.rounds < _MIN_ROUNDS:
+            return True
+        if self.rule in _FORMULA_RULES:  # the length was chosen before drafting (`length`)
             return True
         assert self.round_ms is not None and self.tokens_per_round is not None
         token_ms = self.round_ms / max(self.tokens_per_round, 1.0)
@@ -193,6 +342,17 @@ class DraftLengthPolicy:
         self._slope = self._fit_slope()
         mean, count = self._by_length.get(n, (costs.verify_ms, 0))
         self._by_length[n] = (mean + (costs.verify_ms - mean) / min(count + 1, 16), count + 1)
+        rejected = costs.n_accepted < len(costs.probs)
+        self._successes = _ema(self._successes, costs.n_accepted)
+        self._failures = _ema(self._failures, 1.0 if rejected else 0.0)
+        if costs.fresh_tokens > 0:
+            self.token_ms = _ema(self.token_ms, costs.fresh_ms / costs.fresh_tokens)
+        if costs.resynced:  # what the round waited for beyond drafting its tokens
+            # (negative where an early draft hid part of the drafting behind the proxy's
+            # own work on the previous round)
+            self.resync_ms = _ema(self.resync_ms, costs.draft_ms - costs.fresh_ms)
+        self.proxy_ms = _ema(self.proxy_ms, costs.overhead_ms)
+        self._best = self._two = None
         self.rounds += 1
 
     def snapshot(self) -> dict[str, float | int | None]:
@@ -204,4 +364,11 @@ class DraftLengthPolicy:
             "draft_ms_per_token": self.draft_ms_per_token,
             "verify_ms_per_draft": self.verify_slope_ms(),
             "runner_up_hits": self.runner_up_hits,
+            "rule": self.rule,
+            "acceptance": self.acceptance_rate(),
+            "draft_token_ms": self.token_ms,
+            "resync_ms": self.resync_ms,
+            "formula_k_ahead": self.length(True) if self.rounds else None,
+            "formula_k_fresh": self.fresh_length(True) if self.rounds else None,
+            "formula_k_serial": self.best_length(False) if self.rounds else None,
         }

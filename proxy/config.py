@@ -34,8 +34,21 @@ class ProxySettings(BaseSettings):
     )
     k: int = Field(4, ge=0, le=16, description="most draft tokens per round")
     adaptive_k: bool = Field(True, description="choose each round's draft length (else k)")
+    draft_length: Literal["formula", "uniform", "marginal"] = Field(
+        "formula",
+        description="how the adaptive draft length is chosen: formula (the lengths that "
+        "maximise expected tokens per expected round time, counting only drafting that is "
+        "not hidden under verification; one for rounds whose drafts were drafted ahead, one "
+        "for rounds that draft fresh), uniform (one such length for all rounds) or marginal "
+        "(position by position from the draft's confidence)",
+    )
     overlap: Literal["auto", "on", "off"] = Field(
         "auto", description="draft while the server verifies: auto (measured per round), on, off"
+    )
+    early_draft: bool = Field(
+        True,
+        description="start the next round's draft as soon as a verify result is back, while "
+        "the proxy commits the round's tokens (else when the next round starts)",
     )
     predraft: bool = Field(
         False,

@@ -23,6 +23,7 @@ line's tokens beyond the last committed sequence (the runner-up's own p included
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -47,6 +48,11 @@ class GreedyDraft:
     probs: list[float] = field(default_factory=list)  # the draft's softmax p per token
     reused: int = 0  # tokens taken from what was drafted ahead
     alternatives: list[Alternative] = field(default_factory=list)  # runner-up per token
+    # the drafter's own time for the tokens this call drafted (not taken from drafting
+    # ahead), and whether no line held the committed sequence (a re-sync)
+    fresh_ms: float = 0.0
+    fresh: int = 0
+    resynced: bool = False
 
 
 @dataclass
@@ -125,6 +131,7 @@ class _Lines:
         self.main = _Line([], 0)
         self.side: _Line | None = None
         self.on_session: _Line | None = self.main
+        self.resynced = False  # whether the last `take` had to sync the session
 
     def take(
         self, session: DraftSession, committed: Sequence[int]
@@ -136,10 +143,12 @@ class _Lines:
             if line is not None and line.holds(committed):
                 line.rebase(n)
                 self.main, self.side = line, None
+                self.resynced = False
                 return line.ready()
         session.sync(committed)
         self.main, self.side = _Line(list(committed), n), None
         self.on_session = self.main
+        self.resynced = True
         return []
 
     def step(self, session: DraftSession, line: _Line) -> tuple[int, float, Alternative] | None:
@@ -185,22 +194,31 @@ class AsyncSessionDrafter:
         draft = await self.draft(committed, k, always)
         return draft.tokens
 
-    async def draft(self, committed: Sequence[int], k_max: int, worth: StopRule) -> GreedyDraft:
+    async def draft(
+        self, committed: Sequence[int], k_max: int, worth: StopRule, k_fresh: int | None = None
+    ) -> GreedyDraft:
+        """Up to k_max drafts after `committed`; at most `k_fresh` where none of them
+        was drafted ahead (each then costs a drafter step the round waits for)."""
         committed = list(committed)
 
         def work(session: DraftSession) -> GreedyDraft:
             out = GreedyDraft()
             lines = self._lines
             ready = lines.take(session, committed)
+            out.resynced = lines.resynced
+            limit = k_max if ready or k_fresh is None else min(k_max, k_fresh)
             cumulative = 1.0
-            for position in range(1, k_max + 1):
+            for position in range(1, limit + 1):
                 from_line = position <= len(ready)
                 if from_line:
                     token, prob, alt = ready[position - 1]
                 else:  # every ready token is used: the line ends where we draft
+                    started = time.perf_counter()
                     stepped = lines.step(session, lines.main)
                     if stepped is None:
                         break
+                    out.fresh_ms += (time.perf_counter() - started) * 1e3
+                    out.fresh += 1
                     token, prob, alt = stepped
                 cumulative *= prob
                 if position > 1 and not worth(position, cumulative):

@@ -189,6 +189,9 @@ class GenerationParams:
     adaptive: bool = True  # greedy: choose each round's length (proxy.adaptive_k)
     overlap: bool = True  # greedy: may draft while the server verifies (OverlapPolicy decides)
     predraft: bool = False  # greedy: drafting ahead also follows the likeliest runner-up
+    # greedy: start the next round's draft as soon as the verify result is known, behind
+    # the proxy's own work on the round (else when the next round starts)
+    early_draft: bool = True
     branch_prompts: int = 0  # greedy: most prompts a round may spend on a runner-up's line
 
 
@@ -210,6 +213,15 @@ class RoundRecord:
     plain_run: bool = False  # the server decoded n_committed tokens alone (proxy.plain_runs)
     n_branch: int = 0  # extra prompts that verified a runner-up's line
     n_via_branch: int = 0  # tokens committed through that line
+    # The round's timeline, ms since the round started (proxy.metrics sums the gaps):
+    draft_ready_ms: float = 0.0  # the draft was ready
+    verify_sent_ms: float = 0.0  # the verify (or plain-run) request went out
+    verify_back_ms: float = 0.0  # its response was back
+    # the server had no request of this generation: from the previous response (this
+    # generation's start for the first round) until this request went out
+    server_idle_ms: float = 0.0
+    # the drafter had nothing to do while the server verified (not drafting ahead)
+    drafter_idle_ms: float = 0.0
 
 
 @dataclass
@@ -240,6 +252,11 @@ class GenerationResult:
     def draft_n_matched(self) -> int:
         return sum(r.n_matched or 0 for r in self.rounds)
 
+    @property
+    def plain_run_n(self) -> int:
+        """Tokens the server decoded alone (plain runs), not through verify rounds."""
+        return sum(r.n_committed for r in self.rounds if r.plain_run)
+
     def timings(self) -> dict[str, float | int]:
         """llama-server's `timings` object (server-common.cpp server_slot_stats::to_json)."""
         n_gen = len(self.tokens)
@@ -263,7 +280,13 @@ class GenerationResult:
             out["draft_n_accepted"] = self.draft_n_accepted
             if self.sampled:  # what greedy-match acceptance would have kept of the same drafts
                 out["draft_n_accepted_greedy_match"] = self.draft_n_matched
+        if self.plain_run_n > 0:  # of predicted_n, what plain runs wrote (not speculation)
+            out["plain_run_n"] = self.plain_run_n
         return out
+
+
+# a draft, its q in sampling mode, and the ms the round waited for it
+DraftOutcome = tuple[GreedyDraft, list[SparseDist | None] | None, float]
 
 
 class RoundObserver(Protocol):
@@ -429,6 +452,11 @@ class Generation:
         self.result: GenerationResult | None = None
         self._ahead: asyncio.Task[None] | None = None
         self._ahead_cancel: CancelToken | None = None
+        # when the current (or last) drafting ahead started and ended (perf_counter s)
+        self._ahead_span: tuple[float, float | None] | None = None
+        # the next round's draft, started when the verify result came back:
+        # (the committed sequence it drafts after, its length, the drafting task)
+        self._early: tuple[list[int], int, int, asyncio.Task[DraftOutcome]] | None = None
 
     async def _draft(
         self,
@@ -436,8 +464,10 @@ class Generation:
         k: int,
         sampling: SamplingParams | None = None,
         rng: np.random.Generator | None = None,
-    ) -> tuple[GreedyDraft, list[SparseDist | None] | None, float]:
-        """(the draft, its q in sampling mode, ms the round waited for it)."""
+        k_fresh: int | None = None,
+    ) -> DraftOutcome:
+        """(the draft, its q in sampling mode, ms the round waited for it). Greedy:
+        at most `k_fresh` drafts where none was drafted ahead."""
         if k <= 0 or self.drafter is None:
             return GreedyDraft(), None, 0.0
         started = time.perf_counter()
@@ -449,9 +479,13 @@ class Generation:
                 tokens, dists = await _propose_sampled(self.drafter, committed, k, sampling, rng)
                 draft = GreedyDraft(tokens=tokens)
             elif (draft_fn := getattr(self.drafter, "draft", None)) is not None:
-                draft = await draft_fn(committed, k, self.policy.worth)
+                if k_fresh is not None and k_fresh < k:
+                    draft = await draft_fn(committed, k, self.policy.worth, k_fresh)
+                else:
+                    draft = await draft_fn(committed, k, self.policy.worth)
             else:  # a drafter that only proposes: fixed length, no probabilities
-                draft = GreedyDraft(tokens=list(await self.drafter.propose(committed, k)))
+                fresh = k if k_fresh is None else min(k, k_fresh)
+                draft = GreedyDraft(tokens=list(await self.drafter.propose(committed, fresh)))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -459,6 +493,39 @@ class Generation:
             return GreedyDraft(), None, (time.perf_counter() - started) * 1e3
         draft.tokens, draft.probs = draft.tokens[:k], draft.probs[:k]
         return draft, dists, (time.perf_counter() - started) * 1e3
+
+    def _start_early_draft(self, committed: list[int], k: int, k_fresh: int) -> None:
+        """Draft the next round now (after `committed`, up to k), while the proxy
+        commits this round's tokens; `_take_draft` picks it up."""
+        if k <= 0 or self.drafter is None or getattr(self.drafter, "draft", None) is None:
+            return
+        task = asyncio.create_task(self._draft(committed, k, k_fresh=k_fresh))
+        self._early = (committed, k, k_fresh, task)
+
+    async def _drop_early_draft(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            early[3].cancel()
+            await asyncio.gather(early[3], return_exceptions=True)
+
+    async def _take_draft(self, committed: list[int], k: int, k_fresh: int) -> DraftOutcome:
+        """The greedy draft of up to k tokens (k_fresh where none was drafted ahead)
+        after `committed`: the early draft where it drafted after the same sequence
+        (extended where it is shorter), else now. The time returned is what this call
+        waited."""
+        early, self._early = self._early, None
+        if early is None:
+            return await self._draft(committed, k, k_fresh=k_fresh)
+        early_committed, early_k, early_fresh, task = early
+        started = time.perf_counter()
+        drafted, dists, _ = await task
+        if early_committed != committed or early_k < k or early_fresh < min(k_fresh, k):
+            # another sequence (a plain run came between), or a longer draft wanted now:
+            # the line keeps what was drafted, so drafting again reuses it
+            return await self._draft(committed, k, k_fresh=k_fresh)
+        drafted.tokens, drafted.probs = drafted.tokens[:k], drafted.probs[:k]
+        drafted.alternatives = drafted.alternatives[:k]
+        return drafted, dists, (time.perf_counter() - started) * 1e3
 
     async def _branch(self, drafted: GreedyDraft, k: int) -> tuple[Branch | None, float]:
         """(the runner-up line to verify beside the draft, or None; ms spent on it).
@@ -499,6 +566,13 @@ class Generation:
         drafter, self.drafter = self.drafter, None
         return drafter
 
+    def _ahead_expected(self) -> bool:
+        """Whether rounds draft ahead as things stand (what the draft length assumes)."""
+        if not self.params.overlap or getattr(self.drafter, "extend", None) is None:
+            return False
+        policy = self.overlap_policy
+        return policy.mode == "on" or (policy.mode == "auto" and policy.best())
+
     def _start_ahead(self) -> bool:
         """While the server verifies, keep drafting the line as if all is accepted.
         Whether to is the overlap policy's measured choice; returns that choice, or
@@ -507,14 +581,19 @@ class Generation:
         if not self.params.overlap or extend is None or not self.overlap_policy.choose():
             return False
         self._ahead_cancel = cancel = CancelToken()
+        started = time.perf_counter()
+        self._ahead_span = (started, None)
 
         async def run() -> None:
             try:
-                await extend(self.params.k + 1, cancel, self.params.predraft)
+                # the bonus guess and the next round's drafts
+                await extend(self.policy.length(True) + 1, cancel, self.params.predraft)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.warning("[%s] drafting ahead failed", self.request_id, exc_info=True)
+            finally:
+                self._ahead_span = (started, time.perf_counter())
 
         self._ahead = asyncio.create_task(run())
         return True
@@ -528,6 +607,14 @@ class Generation:
         ahead, self._ahead = self._ahead, None
         await asyncio.gather(ahead, return_exceptions=True)
 
+    def _drafter_busy_ms(self, start: float, end: float) -> float:
+        """How long drafting ahead ran within [start, end] (perf_counter seconds)."""
+        if self._ahead_span is None:
+            return 0.0
+        ahead_start, ahead_end = self._ahead_span
+        busy = min(end if ahead_end is None else ahead_end, end) - max(ahead_start, start)
+        return max(busy, 0.0) * 1e3
+
     def _plain_run_length(self, rounds: list[RoundRecord], room: int) -> int:
         """Tokens the server should decode alone next (0: a speculative round); never
         in the first round, which prefills the slots."""
@@ -536,14 +623,15 @@ class Generation:
         return max(0, min(self.plain_runs.choose(), room))
 
     async def _plain_run(
-        self, state: ServerTextState, committed: list[int], n: int, seed: int = 0
+        self, state: ServerTextState, committed: list[int], n: int, seed: int, round_start: float
     ) -> tuple[list[TokenEvent], RoundRecord, int, int]:
         """(events, record, tokens the server decoded, the slot holding them) of one
         plain run."""
         await self._stop_ahead()  # its line would be stale after the run
         started = time.perf_counter()
         run = await self.upstream.plain_run(committed, n, self.params.sampling, seed)
-        run_ms = (time.perf_counter() - started) * 1e3
+        back = time.perf_counter()
+        run_ms = (back - started) * 1e3
         pieces = await self.pieces.run_pieces(run.tokens, run.content)
         last = len(run.tokens) - 1
         if run.stop_type == "eos":
@@ -561,6 +649,10 @@ class Generation:
             verify_ms=run_ms,
             overhead_ms=(time.perf_counter() - started) * 1e3 - run_ms,
             plain_run=True,
+            draft_ready_ms=(started - round_start) * 1e3,
+            verify_sent_ms=(started - round_start) * 1e3,
+            verify_back_ms=(back - round_start) * 1e3,
+            drafter_idle_ms=run_ms,
         )
         return events, record, len(run.tokens), run.id_slot
 
@@ -605,6 +697,7 @@ class Generation:
         # while the other slots lag: the one that holds the whole context, and by how
         # many tokens the others lag at least (fresh prompt tokens, plain-run tokens)
         context_slot, lag = -1, 0
+        last_back = started  # when the server last answered this generation
         try:
             while not state.finished:
                 round_start = time.perf_counter()
@@ -619,8 +712,12 @@ class Generation:
                     pending_overlap = None
                     seed = 0 if sampling is None else int(seed_rng.integers(0, 0xFFFFFFFF))
                     events, record, n_decoded, context_slot = await self._plain_run(
-                        state, committed, run_n, seed
+                        state, committed, run_n, seed, round_start
                     )
+                    record.server_idle_ms = (
+                        round_start + record.verify_sent_ms / 1e3 - last_back
+                    ) * 1e3
+                    last_back = round_start + record.verify_back_ms / 1e3
                     lag += n_decoded
                     for event in events:
                         yield event
@@ -667,12 +764,15 @@ class Generation:
                     k = 0  # prefill one slot only (copies of it follow where replicating)
                 branch: Branch | None = None
                 if sampling is None:
-                    drafted, dists, draft_ms = await self._draft(committed, min(k, k_main))
+                    ahead = self._ahead_expected()
+                    k_main = min(k, k_main, self.policy.length(ahead))
+                    k_fresh = min(k_main, self.policy.fresh_length(ahead))
+                    drafted, dists, draft_ms = await self._take_draft(committed, k_main, k_fresh)
                     draft = drafted.tokens
                     if draft and self.params.branch_prompts and self.drafter is not None:
                         branch, branch_ms = await self._branch(drafted, k)
                         draft_ms += branch_ms
-                    verify_start = time.perf_counter()
+                    draft_ready = verify_start = time.perf_counter()
                     if pending_overlap is not None:  # the last round's choice, judged
                         self.overlap_policy.observe(
                             *pending_overlap, next_drafted=len(draft), next_draft_ms=draft_ms
@@ -689,10 +789,14 @@ class Generation:
                         committed, k, sampling.chain, draft_rng
                     )
                     draft = drafted.tokens
-                    verify_start = time.perf_counter()
+                    draft_ready = verify_start = time.perf_counter()
                     server_seed = int(seed_rng.integers(0, 0xFFFFFFFF))  # 0xFFFFFFFF: random
                     results = await self.upstream.verify(committed, draft, sampling, server_seed)
-                verify_ms = (time.perf_counter() - verify_start) * 1e3
+                verify_back = time.perf_counter()
+                verify_ms = (verify_back - verify_start) * 1e3
+                drafter_idle_ms = verify_ms
+                if chose_ahead:
+                    drafter_idle_ms -= self._drafter_busy_ms(verify_start, verify_back)
                 if sampling is None and chose_ahead is not None and self.params.overlap:
                     pending_overlap = (chose_ahead, len(draft), verify_ms)
                 if first_round_end is None:
@@ -724,6 +828,15 @@ class Generation:
                     runner_up = drafted.alternatives[rejected]
                     if runner_up is not None:
                         self.policy.observe_runner_up(results[rejected].token == runner_up[0])
+                if sampling is None and self.params.early_draft and not self.params.branch_prompts:
+                    # the next round's committed sequence is known: draft it while this
+                    # round's tokens are committed (wasted only where the generation stops)
+                    room_next = room - len(acceptance.tokens)
+                    k_next = min(self.params.k, room_next - 1)
+                    ahead = self._ahead_expected()
+                    k_next = min(k_next, self.policy.length(ahead))
+                    k_fresh = min(k_next, self.policy.fresh_length(ahead))
+                    self._start_early_draft(committed + acceptance.tokens, k_next, k_fresh)
                 n_committed = 0
                 for position, token in enumerate(acceptance.tokens):
                     result = results[position]
@@ -782,7 +895,13 @@ class Generation:
                     n_reused=drafted.reused,
                     n_branch=0 if branch is None else len(branch.tokens),
                     n_via_branch=acceptance.via_branch,
+                    draft_ready_ms=(draft_ready - round_start) * 1e3,
+                    verify_sent_ms=(verify_start - round_start) * 1e3,
+                    verify_back_ms=(verify_back - round_start) * 1e3,
+                    server_idle_ms=(verify_start - last_back) * 1e3,
+                    drafter_idle_ms=max(drafter_idle_ms, 0.0),
                 )
+                last_back = verify_back
                 rounds.append(record)
                 steady = not record.first and not after_run
                 if self.plain_runs is not None and steady:
@@ -801,11 +920,16 @@ class Generation:
                             verify_ms=verify_ms,
                             round_ms=total_ms,
                             n_branch=record.n_branch,
+                            fresh_tokens=drafted.fresh,
+                            fresh_ms=drafted.fresh_ms,
+                            resynced=drafted.resynced,
+                            overhead_ms=record.overhead_ms,
                         )
                     )
                 if self.observer is not None:
                     self.observer.observe_round(record)
         finally:
+            await self._drop_early_draft()
             await self._stop_ahead()
             if self.drafter is not None:
                 await _close_quietly(self.drafter)

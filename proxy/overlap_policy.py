@@ -14,7 +14,8 @@ verify round). So the proxy measures both sides as it serves:
   equal draft lengths (the length changes the verify time far more than the overlap).
 
 It keeps drafting ahead while the mean saving exceeds the mean penalty, and re-tries
-the losing choice now and then because load changes.
+the losing choice now and then because load changes (less and less often while the
+tries confirm the choice).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ _ALPHA = 0.05  # weight of the newest sample in each running mean
 _HYSTERESIS_MS = 1.0  # switch only when the other choice looks better by this much
 _MIN_SAMPLES = 12  # per choice, before the comparison decides (verify times are noisy)
 _MIN_PER_LENGTH = 3  # samples per choice at one draft length for it to count
-_RETRY_EVERY = 8  # rounds between tries of the losing choice
+_RETRY_EVERY = 8  # rounds between tries of the losing choice, at first
+_RETRY_EVERY_MAX = 64  # the interval doubles while the tries confirm the choice
 
 
 def _mean(old: float | None, new: float, count: int) -> float:
@@ -51,6 +53,11 @@ class OverlapPolicy:
         self.draft_n = 0
         self.rounds = 0
         self._current = True
+        # Each try of the losing choice costs a round without its benefit (drafting
+        # ahead on an NPU costs verification nothing: a try of "off" only loses), so the
+        # interval doubles each time the choice survives one, back to the start on a switch.
+        self._retry_every = _RETRY_EVERY
+        self._next_retry = _RETRY_EVERY
 
     def choose(self) -> bool:
         if self.mode != "auto":
@@ -59,7 +66,11 @@ class OverlapPolicy:
         if self.saving_n < _MIN_SAMPLES or min(self.samples.values()) < _MIN_SAMPLES:
             return self.samples[True] <= self.samples[False]  # explore: alternate
         best = self.best()
-        return not best if self.rounds % _RETRY_EVERY == 0 else best
+        if self.rounds < self._next_retry:
+            return best
+        self._retry_every = min(2 * self._retry_every, _RETRY_EVERY_MAX)
+        self._next_retry = self.rounds + self._retry_every
+        return not best
 
     def penalty_ms(self) -> float | None:
         """Extra verify time with drafting ahead, over the draft lengths seen often enough
@@ -102,6 +113,9 @@ class OverlapPolicy:
             margin = self.saving_ms - penalty
             if abs(margin) >= _HYSTERESIS_MS:  # hysteresis: no flapping on noise
                 self._current = margin > 0
+        if self._current != before:
+            self._retry_every = _RETRY_EVERY
+            self._next_retry = self.rounds + _RETRY_EVERY
         if self._current != before and self.saving_n >= _MIN_SAMPLES:
             log.info(
                 "drafting ahead now %s (saves %.1f ms of drafting, costs %.1f ms of verify)",

@@ -32,8 +32,11 @@ draft-length policy.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Literal
+
+log = logging.getLogger(__name__)
 
 RunMode = Literal["auto", "off"]
 
@@ -73,10 +76,11 @@ class PlainRunGate:
     """Before each round: 0 to speculate, n > 0 for a plain run of n tokens. One gate
     per kind of request (greedy, unseeded sampling): their rounds cost differently."""
 
-    def __init__(self, mode: RunMode = "auto", run_tokens: int = 16) -> None:
+    def __init__(self, mode: RunMode = "auto", run_tokens: int = 16, name: str = "greedy") -> None:
         if run_tokens < 1:
             raise ValueError("run_tokens must be >= 1")
         self.mode = mode
+        self.name = name  # which requests the gate serves, for its log lines
         self.run_tokens = run_tokens
         self._spec = _Rate(8)
         self._plain = _Rate(4)
@@ -165,6 +169,11 @@ class PlainRunGate:
             self.plain_chosen = not self.plain_chosen
             self.switches += 1
             self._probe_spec_after = PROBE_SPEC_AFTER
+            log.info(
+                "%s requests: speculating %.1f ms/token vs plain %.1f ms/token: %s",
+                self.name, spec, plain,
+                "plain runs" if self.plain_chosen else "speculating again",
+            )  # fmt: skip
 
     def snapshot(self) -> dict[str, float | int | bool | None]:
         return {

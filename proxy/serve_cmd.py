@@ -92,6 +92,19 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
+        ("--draft-length",),
+        {
+            "choices": ["formula", "uniform", "marginal"],
+            "dest": "draft_length",
+            "help": "adaptive draft length: formula (default; the lengths with the most "
+            "expected tokens per expected round time, from measured acceptance, drafting "
+            "speed and per-length verify costs, counting only drafting not hidden by drafting "
+            "ahead: one for rounds whose drafts were drafted ahead, a shorter one for rounds "
+            "that draft fresh), uniform (one such length) or marginal (position by position "
+            "from the draft's own confidence)",
+        },
+    ),
+    (
         ("--overlap",),
         {
             "choices": ["auto", "on", "off"],
@@ -103,6 +116,16 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (
         ("--no-overlap",),
         {"action": "store_const", "const": "off", "dest": "overlap", "help": "--overlap off"},
+    ),
+    (
+        ("--early-draft",),
+        {
+            "choices": ["on", "off"],
+            "dest": "early_draft",
+            "help": "on (default): start the next round's draft as soon as a verify result "
+            "is back, while the proxy commits the round's tokens; off: when the next round "
+            "starts",
+        },
     ),
     (
         ("--predraft",),
@@ -592,6 +615,8 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
             settings.k,
             open_drafter,
             adaptive_k=settings.adaptive_k,
+            draft_length=settings.draft_length,
+            early_draft=settings.early_draft,
             overlap=settings.overlap,
             plain_runs=settings.plain_runs,
             predraft=settings.predraft,

@@ -57,6 +57,8 @@ class ProxyState:
 
     replicate_prefill: bool = True
     adaptive_k: bool = True
+    draft_length: str = "formula"  # formula | marginal (proxy.adaptive_k)
+    early_draft: bool = True  # draft the next round as soon as a verify result is back
     overlap: str = "auto"  # auto | on | off (proxy.overlap_policy)
     plain_runs: str = "auto"  # auto | off (proxy.plain_runs)
     predraft: bool = False  # draft after the likeliest runner-up during verification
@@ -84,13 +86,13 @@ class ProxyState:
         # Slot files the proxy writes: generated names, unguessable, and refused to
         # clients (guard.RESERVED_SLOT_PREFIX), so no request can swap their contents.
         self.slot_file_stem = f"{RESERVED_SLOT_PREFIX}{secrets.token_hex(8)}"
-        self.draft_lengths = DraftLengthPolicy(self.k, self.adaptive_k)
+        self.draft_lengths = DraftLengthPolicy(self.k, self.adaptive_k, self.draft_length)
         self.overlap_policy = OverlapPolicy(self.overlap)
         # one gate per mode: a sampling round costs more (the server sends its
         # distribution back), so the two are measured apart
         runs_mode = "off" if self.plain_runs == "off" else "auto"
         self.plain_run_gate = PlainRunGate(runs_mode)
-        self.sampled_run_gate = PlainRunGate(runs_mode)
+        self.sampled_run_gate = PlainRunGate(runs_mode, name="unseeded sampling")
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
 
@@ -266,6 +268,14 @@ def policy_metrics(state: ProxyState) -> str:
          lengths["calibration"] if lengths["rounds"] else None),
         ("npu_spec_verify_ms_per_draft", "Verify time each extra draft adds (fitted)",
          lengths["verify_ms_per_draft"] if lengths["rounds"] else None),
+        ("npu_spec_draft_acceptance", "Per-draft acceptance, accepted / (accepted + rejections)",
+         lengths["acceptance"]),
+        ("npu_spec_draft_token_ms", "Drafter time per token drafted fresh",
+         lengths["draft_token_ms"]),
+        ("npu_spec_draft_resync_ms", "Wait of a re-synced round beyond drafting its tokens",
+         lengths["resync_ms"]),
+        ("npu_spec_draft_length_chosen", "Draft length the formula chooses (drafting ahead)",
+         lengths["formula_k_ahead"] if lengths["rule"] == "formula" else None),
         ("npu_spec_plain_runs_chosen", "1 while plain runs are cheaper than speculating",
          1.0 if runs["plain_chosen"] else 0.0),
         ("npu_spec_speculative_ms_per_token", "Steady speculative rounds, ms per token",
@@ -434,6 +444,7 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
                 overlap=state.overlap != "off",
                 predraft=state.predraft,
                 branch_prompts=state.branch_prompts,
+                early_draft=state.early_draft,
             ),
             n_ctx=state.n_ctx,
             drafter=await state.drafters.open(),

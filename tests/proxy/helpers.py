@@ -268,11 +268,13 @@ class RecordingDrafter:
         self._inner = inner
         self.drafts = drafts
 
-    async def draft(self, committed: Sequence[int], k_max: int, worth: StopRule) -> GreedyDraft:
+    async def draft(
+        self, committed: Sequence[int], k_max: int, worth: StopRule, *k_fresh: int
+    ) -> GreedyDraft:
         inner = getattr(self._inner, "draft", None)
         if inner is None:
-            return GreedyDraft(tokens=await self.propose(committed, k_max))
-        out = await inner(committed, k_max, worth)
+            return GreedyDraft(tokens=await self.propose(committed, min(k_max, *k_fresh)))
+        out = await inner(committed, k_max, worth, *k_fresh)
         self.drafts[len(committed)] = list(out.tokens)
         return out
 

@@ -106,6 +106,7 @@ def _shape_without_drafts(body: dict) -> dict:
     out = shape(body)
     out["timings"].pop("draft_n", None)
     out["timings"].pop("draft_n_accepted", None)
+    out["timings"].pop("plain_run_n", None)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import numpy as np
@@ -152,17 +153,17 @@ def drafted_length(policy: DraftLengthPolicy, prob: float) -> int:
 
 
 def test_policy_drafts_everything_until_it_has_measurements():
-    policy = DraftLengthPolicy(6)
+    policy = DraftLengthPolicy(6, rule="marginal")
     assert drafted_length(policy, 0.01) == 6
-    fixed = DraftLengthPolicy(6, adaptive=False)
+    fixed = DraftLengthPolicy(6, adaptive=False, rule="marginal")
     feed(fixed, 10, 0.5, 0)
     assert drafted_length(fixed, 0.01) == 6
 
 
 def test_policy_drafts_less_when_drafts_are_rejected_and_more_when_accepted():
-    poor = DraftLengthPolicy(8)
+    poor = DraftLengthPolicy(8, rule="marginal")
     feed(poor, 10, 0.9, 0, draft_ms=4.0)  # confident drafts, none accepted
-    good = DraftLengthPolicy(8)
+    good = DraftLengthPolicy(8, rule="marginal")
     feed(good, 10, 0.9, 6, draft_ms=1.0)
     assert drafted_length(poor, 0.9) == 1  # position 1 is always drafted
     assert drafted_length(good, 0.9) > 4
@@ -170,14 +171,14 @@ def test_policy_drafts_less_when_drafts_are_rejected_and_more_when_accepted():
 
 @pytest.mark.parametrize("draft_ms", [0.5, 8.0])
 def test_policy_weighs_draft_cost(draft_ms):
-    policy = DraftLengthPolicy(8)
+    policy = DraftLengthPolicy(8, rule="marginal")
     feed(policy, 10, 0.8, 3, draft_ms=draft_ms)
     cheap = draft_ms < 1
     assert (drafted_length(policy, 0.8) >= 5) == cheap
 
 
 def test_policy_fits_the_verify_slope():
-    policy = DraftLengthPolicy(8)
+    policy = DraftLengthPolicy(8, rule="marginal")
     for k in (2, 4, 6, 8) * 4:
         policy.observe(RoundCosts([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
     assert policy.verify_slope_ms() == pytest.approx(2.5)
@@ -211,6 +212,18 @@ def test_overlap_policy_keeps_drafting_ahead_where_it_costs_verification_nothing
     assert later.count(False) <= len(later) / 8 + 1  # only the periodic re-tries
 
 
+def test_overlap_policy_tries_the_losing_choice_less_and_less_often():
+    """Drafting ahead on a processor of its own never slows verification: each try of
+    "off" only loses a round's drafting, so the tries thin out to one in 64 rounds."""
+    from proxy.overlap_policy import OverlapPolicy
+
+    policy = OverlapPolicy("auto")
+    choices = run_rounds(policy, 1200, penalty_ms=0.0, draft_ms_per_token=5.0, hit=0.5)
+    assert policy.best() is True
+    late = choices[400:]
+    assert late.count(False) <= len(late) / 64 + 1
+
+
 def test_overlap_policy_drops_drafting_ahead_when_it_slows_verification_more_than_it_saves():
     from proxy.overlap_policy import OverlapPolicy
 
@@ -237,7 +250,7 @@ def learned_policy(verify_ms: dict[int, float]) -> DraftLengthPolicy:
     """A policy that has seen rounds of every length 1..6, each with these verify
     costs, a draft that is calibrated (accepted = its own expectation) and 2 ms a
     token, on a slow target (a round ~170 ms, as on an integrated GPU)."""
-    policy = DraftLengthPolicy(6)
+    policy = DraftLengthPolicy(6, rule="marginal")
     for n in (1, 2, 3, 4, 5, 6) * 4:
         expected = sum(0.9**i for i in range(1, n + 1))
         policy.observe(
@@ -265,7 +278,255 @@ def test_policy_charges_each_length_what_it_measured():
 
 
 def test_policy_without_per_length_samples_uses_the_slope():
-    policy = DraftLengthPolicy(8)
+    policy = DraftLengthPolicy(8, rule="marginal")
     for k in (2, 4, 6, 8) * 2:  # two rounds of each length: not enough to trust a mean
         policy.observe(RoundCosts([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
     assert policy.verify_ms_for_draft(4) == pytest.approx(policy.verify_slope_ms())
+
+
+# -- the formula rule: k maximising E(k) / T(k) -------------------------------------
+
+H200_512 = {1: 17.9, 2: 20.1, 3: 22.1, 4: 23.7, 5: 24.4, 6: 25.0}  # DESIGN.md section 3
+
+
+def formula_policy(
+    verify_ms: dict[int, float],
+    a: float,
+    token_ms: float,
+    resync_ms: float,
+    proxy_ms: float = 0.0,
+    k_max: int = 6,
+    rule: str = "uniform",
+) -> DraftLengthPolicy:
+    """A formula policy that measured these costs: rounds of every length whose drafts
+    were accepted at rate a (each round: its accepted drafts and one rejection, in
+    proportions that give S / (S + F) = a), half of them re-synced."""
+    policy = DraftLengthPolicy(k_max, rule=rule)
+    for n in list(verify_ms) * 4:
+        for accepted in (n, n - 1):  # one fully accepted, one rejected round per length
+            policy.observe(
+                RoundCosts([1.0] * n, accepted, accepted + 1, resync_ms + n * token_ms,
+                           verify_ms[n], 0.0, fresh_tokens=n, fresh_ms=n * token_ms,
+                           resynced=True, overhead_ms=proxy_ms)
+            )  # fmt: skip
+    # the acceptance itself: from rounds whose counts give exactly a (weights 1 : 1)
+    policy._successes, policy._failures = a, 1.0 - a
+    policy._best = policy._two = None
+    return policy
+
+
+def brute_force_k(
+    verify_ms: dict[int, float],
+    a: float,
+    t_d: float,
+    t_resync: float,
+    ahead: bool,
+    proxy_ms: float = 0.0,
+) -> int:
+    """argmax_k E(k) / T(k) written out from the issue's formula."""
+
+    def rate(k: int) -> float:
+        e = (1 - a ** (k + 1)) / (1 - a)
+        if ahead:
+            t = (
+                verify_ms[k]
+                + proxy_ms
+                + a ** (k + 1) * max(0.0, (k + 1) * t_d - verify_ms[k])
+                + (1 - a ** (k + 1)) * (t_resync + k * t_d)
+            )
+        else:
+            t = verify_ms[k] + proxy_ms + t_resync + k * t_d
+        return e / t
+
+    return max(sorted(verify_ms), key=lambda k: (rate(k), -k))
+
+
+@pytest.mark.parametrize(
+    ("a", "t_d", "t_resync", "proxy_ms"),
+    [(0.77, 2.0, 0.5, 1.0), (0.77, 0.0, 0.0, 0.0), (0.5, 4.0, 1.0, 2.0), (0.9, 11.0, 1.0, 0.5),
+     (0.3, 2.0, 0.5, 1.0), (0.77, 25.0, 2.0, 1.0)],
+)  # fmt: skip
+@pytest.mark.parametrize("ahead", [True, False])
+def test_formula_length_is_the_argmax_of_expected_tokens_per_round_time(
+    a, t_d, t_resync, proxy_ms, ahead
+):
+    policy = formula_policy(H200_512, a, t_d, t_resync, proxy_ms)
+    assert policy.acceptance_rate() == pytest.approx(a)
+    assert policy.token_ms == pytest.approx(t_d)
+    assert policy.resync_ms == pytest.approx(t_resync)
+    assert policy.length(ahead) == brute_force_k(H200_512, a, t_d, t_resync, ahead, proxy_ms)
+
+
+def test_a_fast_drafter_that_drafts_ahead_is_not_held_at_one_draft():
+    """H200 14B f16 at 512, a = 0.77: a drafter at 2 ms a token (0.2 steps) drafts 3
+    (E/T: 94, 105, 108, 107, 106, 103 tok/s for k = 1..6); drafting ahead never asks
+    for fewer drafts than serial drafting, and at 6 ms a token it asks for more."""
+    fast = formula_policy(H200_512, 0.77, 2.0, 0.3)
+    assert fast.length(ahead=True) == 3
+    assert all(fast.worth(m, 0.01) for m in range(1, 4))  # no per-position cut on top
+    for t_d in (0.5, 2.0, 4.0, 6.0, 8.0, 11.0):
+        policy = formula_policy(H200_512, 0.77, t_d, 0.3)
+        assert policy.length(ahead=True) >= policy.length(ahead=False)
+    slower = formula_policy(H200_512, 0.77, 6.0, 0.3)
+    assert (slower.length(ahead=True), slower.length(ahead=False)) == (2, 1)
+
+
+def test_formula_waits_for_measurements_and_respects_fixed_k():
+    policy = DraftLengthPolicy(6)
+    assert policy.length(True) == 6
+    fixed = DraftLengthPolicy(6, adaptive=False)
+    for _ in range(10):
+        fixed.observe(RoundCosts([1.0] * 6, 0, 1, 10.0, 20.0, 30.0))
+    assert fixed.length(True) == 6
+    marginal = formula_policy(H200_512, 0.3, 20.0, 1.0)
+    marginal.rule = "marginal"
+    assert marginal.length(True) == 6  # the marginal rule cuts per position instead
+    with pytest.raises(ValueError):
+        DraftLengthPolicy(6, rule="sometimes")  # type: ignore[arg-type]
+
+
+def test_acceptance_counts_rejections_not_draft_lengths():
+    """Rounds of 4 drafts accepting 2 then rejecting: a = 2 / 3, where accepted/drafted
+    would say 0.5."""
+    policy = DraftLengthPolicy(4)
+    for _ in range(20):
+        policy.observe(RoundCosts([1.0] * 4, 2, 3, 4.0, 20.0, 30.0))
+    assert policy.acceptance_rate() == pytest.approx(2 / 3)
+
+
+# -- the engine: the next round's draft starts when the verify result is back --------
+
+
+class ScriptSession(CountingSession):
+    """Drafts a fixed script (wrong at some positions) and records, for every token it
+    drafts, how many tokens the consumer had taken from the engine by then."""
+
+    def __init__(self, script: list[int], n_prompt: int, wrong_at: set[int], seen: list[int]):
+        super().__init__(prob=1.0)
+        self.script, self.n_prompt, self.wrong_at, self.seen = script, n_prompt, wrong_at, seen
+        self.drafted_at: list[tuple[int, int]] = []  # (sequence length, tokens consumed)
+        self.synced_at: list[tuple[int, int]] = []
+
+    def sync(self, tokens: Sequence[int]) -> SyncStats:
+        self.synced_at.append((len(tokens), self.seen[0]))
+        return super().sync(tokens)
+
+    def propose(self, k, sampling=GREEDY, rng=None, cancel=None) -> Draft:
+        draft = Draft()
+        for _ in range(k):
+            if cancel is not None and cancel.cancelled:
+                break
+            position = len(self._tokens) - self.n_prompt
+            if position >= len(self.script):
+                break
+            self.drafted_at.append((len(self._tokens), self.seen[0]))
+            token = self.script[position] + (1000 if position in self.wrong_at else 0)
+            self._tokens.append(token)
+            draft.tokens.append(token)
+            draft.probs.append(1.0)
+        return draft
+
+
+async def _run_engine(early: bool, overlap: bool, consumer_sleep_s: float = 0.0):
+    from proxy.engine import Generation, GenerationParams, PieceCache
+    from tests.proxy.test_units import FakeUpstream
+
+    script = list(range(100, 140))
+    seen = [0]
+    session = ScriptSession(script, 2, {3, 9, 10, 17}, seen)
+    upstream = FakeUpstream(script)
+    params = GenerationParams(n_predict=30, k=3, overlap=overlap, early_draft=early)
+    generation = Generation(
+        upstream, [1, 2], params, 1000, AsyncSessionDrafter(session), PieceCache(upstream),
+        check_decodes=True, strict_decodes=True,
+    )  # fmt: skip
+    tokens = []
+    async for event in generation.run():
+        tokens.append(event.token)
+        seen[0] += 1
+        if consumer_sleep_s:
+            await asyncio.sleep(consumer_sleep_s)  # a slow client: the proxy's own work
+    return script, tokens, generation.result, session
+
+
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_engine_output_is_the_servers_with_or_without_early_drafts(early, overlap):
+    script, tokens, result, _ = await _run_engine(early, overlap)
+    assert tokens == script[:30]
+    assert sum(r.n_committed for r in result.rounds) == 30
+    assert any(r.n_accepted < r.n_drafted for r in result.rounds)  # misses happened
+
+
+async def test_early_draft_drafts_the_next_round_while_the_last_is_committed():
+    """With a slow consumer, the drafter re-syncs to a round's committed sequence while
+    the consumer is still taking that round's tokens (early draft); without it, only
+    once the consumer has taken them all."""
+    n_prompt = 2
+    _, _, _, session = await _run_engine(True, False, consumer_sleep_s=0.02)
+    assert any(consumed < n - n_prompt for n, consumed in session.synced_at), session.synced_at
+    _, _, _, session = await _run_engine(False, False, consumer_sleep_s=0.02)
+    assert len(session.synced_at) > 3
+    assert all(consumed == n - n_prompt for n, consumed in session.synced_at)
+
+
+def brute_force_two_lengths(
+    verify_ms: dict[int, float], a: float, t_d: float, t_resync: float, proxy_ms: float
+) -> tuple[int, int]:
+    """The two-state chain written out: rounds in R (drafts ready) and M (fresh)."""
+    e = {k: (1 - a ** (k + 1)) / (1 - a) for k in verify_ms}
+    best, best_rate = None, -1.0
+    for k_r in sorted(verify_ms):
+        for k_m in sorted(verify_ms):
+            stay, back = a ** (k_r + 1), a ** (k_m + 1)  # P(next in R | R), P(next in R | M)
+            share_r = back / (1 - stay + back)  # stationary share of rounds in R
+            late_r = stay * max(0.0, (k_r + 1) * t_d - verify_ms[k_r])
+            late_m = back * max(0.0, (k_r + 1) * t_d - verify_ms[k_m])
+            time_r = proxy_ms + verify_ms[k_r] + late_r
+            time_m = proxy_ms + verify_ms[k_m] + max(0.0, t_resync + k_m * t_d) + late_m
+            rate = (share_r * e[k_r] + (1 - share_r) * e[k_m]) / (
+                share_r * time_r + (1 - share_r) * time_m
+            )
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = (k_r, k_m), rate
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize(
+    ("a", "t_d", "t_resync", "proxy_ms"),
+    [(0.77, 2.5, 0.5, 1.0), (0.77, 1.1, 0.3, 0.5), (0.77, 5.0, 0.5, 1.0), (0.5, 4.0, 1.0, 2.0),
+     (0.9, 11.0, 1.0, 0.5), (0.3, 2.0, 0.5, 1.0)],
+)  # fmt: skip
+def test_two_lengths_are_the_argmax_of_the_two_state_rate(a, t_d, t_resync, proxy_ms):
+    policy = formula_policy(H200_512, a, t_d, t_resync, proxy_ms, rule="formula")
+    expected = brute_force_two_lengths(H200_512, a, t_d, t_resync, proxy_ms)
+    assert (policy.length(ahead=True), policy.fresh_length(ahead=True)) == expected
+    # serial drafting has one state: the one-length formula
+    assert policy.length(ahead=False) == policy.fresh_length(ahead=False)
+    assert policy.length(False) == brute_force_k(H200_512, a, t_d, t_resync, False, proxy_ms)
+
+
+def test_two_lengths_draft_few_fresh_and_many_ready_for_a_slowish_drafter():
+    """H200 14B f16 at 512, a = 0.77, drafter at 2.5 ms a token (X = 0.27): six drafts
+    where they are ready, one where they must be drafted fresh (~114 tok/s by the
+    model, against ~105 for the best single length, k = 3)."""
+    policy = formula_policy(H200_512, 0.77, 2.5, 0.0, rule="formula")
+    assert (policy.length(True), policy.fresh_length(True)) == (6, 1)
+    assert formula_policy(H200_512, 0.77, 2.5, 0.0).length(True) == 3  # uniform
+
+
+async def test_a_round_without_drafts_ready_drafts_at_most_k_fresh():
+    session = CountingSession()
+    drafter = AsyncSessionDrafter(session)
+    committed = [1, 2, 3]
+    try:
+        first = await drafter.draft(committed, 4, always, 1)  # nothing drafted ahead
+        assert first.tokens == expected_draft(committed, 1) and first.resynced
+        assert await drafter.extend(5, CancelToken()) == 5
+        line = committed + first.tokens
+        line.append(next_token(line))  # accepted, bonus = the drafter's guess
+        second = await drafter.draft(line, 4, always, 1)  # drafts ready: up to 4
+        assert second.tokens == expected_draft(line, 4) and second.reused == 4
+    finally:
+        await drafter.close()

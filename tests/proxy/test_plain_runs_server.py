@@ -3,6 +3,8 @@ speculation costs more per token than letting llama-server decode alone."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from proxy.engine import GenerationParams, SlotReplicator
@@ -39,6 +41,8 @@ async def test_plain_runs_are_the_servers_own_greedy_tokens(
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     assert len(tokens) == n_predict
     first, runs = result.rounds[0], result.rounds[1:]
+    # what served the response: all but the first round's token came from plain runs
+    assert result.timings()["plain_run_n"] == n_predict - first.n_committed
     assert not first.plain_run and first.n_drafted == 3
     assert runs and all(r.plain_run and r.n_drafted == 0 for r in runs)
     assert [r.n_committed for r in runs] == [5] * (len(runs) - 1) + [runs[-1].n_committed]
@@ -48,7 +52,7 @@ async def test_plain_runs_are_the_servers_own_greedy_tokens(
 
 
 async def test_gate_picks_plain_runs_when_drafts_are_never_accepted(
-    spec_server, drafter_for, http, ref_server
+    spec_server, drafter_for, http, ref_server, caplog
 ):
     body = {"prompt": "Once upon a time", "n_predict": 96, "temperature": 0,
             "return_tokens": True}  # fmt: skip
@@ -57,9 +61,16 @@ async def test_gate_picks_plain_runs_when_drafts_are_never_accepted(
     # An unrelated draft commits one token per verify round, which costs more than
     # one plain step: the gate must switch and stay switched.
     async with run_proxy(spec_server, drafter_for("reference:unrelated"), 4) as proxy:
-        status, got, _ = await proxy.post("/completion", body)
+        with caplog.at_level(logging.INFO, logger="proxy.plain_runs"):
+            status, got, headers = await proxy.post("/completion", body)
         assert status == 200, got
         await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], got["tokens"])
+        # the response says how much of it plain runs wrote, the log says why once
+        assert headers["X-Npu-Spec"] == "speculative"
+        plain_n = got["timings"]["plain_run_n"]
+        assert plain_n == proxy.state.metrics.plain_run_tokens > len(got["tokens"]) // 2
+        switches = [r.getMessage() for r in caplog.records if "ms/token" in r.getMessage()]
+        assert len(switches) == 1 and switches[0].endswith("plain runs"), switches
         gate = proxy.state.plain_run_gate.snapshot()
         assert proxy.state.metrics.plain_runs > 0
         assert gate["plain_chosen"], gate

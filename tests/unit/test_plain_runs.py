@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 
 import pytest
 
@@ -161,3 +162,44 @@ def test_a_dear_re_measurement_waits_until_its_cost_is_a_small_share():
     quiet = PlainRunGate("auto")
     quiet.observe_catch_up(5000.0, 1)
     assert quiet._probe_loss_ms == 0.0
+
+
+def test_each_switch_is_logged_once_with_both_rates(caplog):
+    gate = PlainRunGate("auto", run_tokens=16)
+    with caplog.at_level(logging.INFO, logger="proxy.plain_runs"):
+        speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=31.0)
+        gate.choose()
+        gate.observe_run(16 * 7.0, 16)
+        for _ in range(5):  # staying on plain runs says nothing more
+            gate.choose()
+            gate.observe_run(16 * 7.0, 16)
+        while gate.choose() == 16:
+            gate.observe_run(16 * 7.0, 16)
+        for _ in range(PROBE_SPEC_ROUNDS):  # speculation became cheaper: switch back
+            gate.choose()
+            gate.observe_round(4 * 2.0, 4)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "greedy requests: speculating 31.0 ms/token vs plain 7.0 ms/token: plain runs",
+        "greedy requests: speculating 2.0 ms/token vs plain 7.0 ms/token: speculating again",
+    ]
+
+
+def test_timings_count_the_tokens_plain_runs_wrote():
+    from proxy.engine import GenerationResult, RoundRecord
+
+    rounds = [
+        RoundRecord(3, 3, 4, draft_ms=1.0, verify_ms=20.0, overhead_ms=1.0),
+        RoundRecord(0, 0, 16, draft_ms=0.0, verify_ms=100.0, overhead_ms=1.0, plain_run=True),
+        RoundRecord(2, 0, 1, draft_ms=1.0, verify_ms=20.0, overhead_ms=1.0),
+    ]
+    result = GenerationResult(
+        tokens=list(range(21)), content=b"", stop_type="limit", stopping_word="",
+        truncated=False, has_new_line=False, n_prompt=5, n_prompt_cached=0, rounds=rounds,
+        prompt_ms=10.0, predicted_ms=100.0,
+    )  # fmt: skip
+    timings = result.timings()
+    assert timings["plain_run_n"] == 16 and timings["predicted_n"] == 21
+    assert timings["draft_n"] == 5
+    rounds.pop(1)
+    assert "plain_run_n" not in result.timings()  # absent, like draft_n, when none
