@@ -16,7 +16,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -139,6 +139,40 @@ class RpcServerProcess:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+
+@contextlib.asynccontextmanager
+async def rpc_servers(
+    count: int,
+    binary: Path | None = None,
+    threads: int | None = None,
+    host: str = "127.0.0.1",
+    log_dir: Path | None = None,
+) -> AsyncIterator[list[RpcServerProcess]]:
+    """`count` ggml-rpc-servers on `host` (one port each), all stopped on exit; pass
+    `rpc_flag(servers)` to llama-server."""
+    binary = binary or find_rpc_server()
+    servers = [
+        RpcServerProcess(
+            binary,
+            host=host,
+            threads=threads,
+            log_path=log_dir / f"rpc-server-{i}.log" if log_dir else None,
+        )
+        for i in range(count)
+    ]
+    try:
+        for server in servers:
+            await server.start()
+        yield servers
+    finally:
+        for server in servers:
+            await server.stop()
+
+
+def rpc_flag(servers: Sequence[RpcServerProcess]) -> list[str]:
+    """llama-server arguments that put all model layers on these RPC servers."""
+    return ["--rpc", ",".join(s.endpoint for s in servers), "-ngl", "99"]
 
 
 # -- does a local llama-server use RPC devices? ---------------------------------------

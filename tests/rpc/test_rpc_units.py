@@ -107,3 +107,37 @@ async def test_process_start_fails_clearly_when_the_binary_exits(tmp_path: Path)
         await server.start(timeout=20)
     assert time.monotonic() - started < 15
     assert not server.running
+
+
+async def test_delay_relay_holds_each_direction_and_keeps_bytes() -> None:
+    """A request-response through the relay gains twice the one-way delay; the bytes
+    arrive whole and in order."""
+    import asyncio
+
+    from proxy.bench.rpc_stack import DelayRelay
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    relay = DelayRelay("127.0.0.1", port, delay_s=0.02)
+    await relay.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        payload = bytes(range(256)) * 1000
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        writer.write(payload)
+        await writer.drain()
+        got = await reader.readexactly(len(payload))
+        elapsed = loop.time() - started
+        assert got == payload
+        assert elapsed >= 0.04, elapsed
+        writer.close()
+    finally:
+        await relay.stop()
+        server.close()
