@@ -77,7 +77,8 @@ async def rpc_stack(
             binary=llama_server_bin,
             threads=1,
             slot_save_dir=tmp_path_factory.mktemp("rpc-slots"),
-            extra_args=rpc_flag(servers),
+            # -lv 4: the log names the buffers each RPC device holds (checked below)
+            extra_args=[*rpc_flag(servers), "-lv", "4"],
             log_path=log_path,
         )
         await server.start()
@@ -96,7 +97,7 @@ async def test_layers_live_on_both_rpc_servers(rpc_stack: RpcStack) -> None:
 
 @pytest.mark.parametrize(("prompt_index", "n_predict", "k", "drafter"), [
     (0, 48, 4, "reference"),
-    (1, 40, 4, "ngram"),
+    (1, 40, 4, "reference:noisy:0.05"),  # rejections: a different draft model
 ])  # fmt: skip
 async def test_greedy_through_proxy_equals_rpc_server(
     http, rpc_stack: RpcStack, drafter_for, prompt_index, n_predict, k, drafter
@@ -127,6 +128,8 @@ async def test_greedy_through_proxy_equals_rpc_server(
             )
             if not rejected:
                 assert metrics.accepted_tokens == metrics.draft_tokens
+        else:  # the noisy draft is rejected somewhere: corrections come from the server
+            assert metrics.accepted_tokens < metrics.draft_tokens
 
 
 async def test_engine_one_decode_per_round_over_rpc(
