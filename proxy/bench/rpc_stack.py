@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from proxy.llama_server import free_port
-from proxy.rpc import find_rpc_server, rpc_servers
+from proxy.rpc import RpcServerNotFound, find_rpc_server, rpc_servers
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,10 @@ class DelayRelay:
 
 @contextlib.asynccontextmanager
 async def rpc_endpoints(
-    count: int, delay_ms: float, threads: int | None, log_dir: Path | None
+    binary: Path, count: int, delay_ms: float, threads: int | None, log_dir: Path | None
 ) -> AsyncIterator[tuple[list[str], list[DelayRelay]]]:
     """`count` rpc-servers, each behind a relay when `delay_ms` > 0; their endpoints."""
-    async with rpc_servers(count, find_rpc_server(), threads=threads, log_dir=log_dir) as servers:
+    async with rpc_servers(count, binary, threads=threads, log_dir=log_dir) as servers:
         if delay_ms <= 0:
             yield [s.endpoint for s in servers], []
             return
@@ -120,11 +120,9 @@ async def rpc_endpoints(
                 await relay.stop()
 
 
-async def run_with_stack(args: argparse.Namespace, command: Sequence[str]) -> int:
-    async with rpc_endpoints(args.servers, args.delay_ms, args.threads, args.log_dir) as (
-        endpoints,
-        relays,
-    ):
+async def run_with_stack(args: argparse.Namespace, binary: Path, command: Sequence[str]) -> int:
+    stack = rpc_endpoints(binary, args.servers, args.delay_ms, args.threads, args.log_dir)
+    async with stack as (endpoints, relays):
         joined = ",".join(endpoints)
         argv = [part.replace("{rpc}", joined) for part in command]
         print(f"rpc endpoints: {joined} (delay {args.delay_ms} ms each way)", file=sys.stderr)
@@ -150,13 +148,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per hop")
     parser.add_argument("-t", "--threads", type=int, default=1, help="ggml-rpc-server -t")
     parser.add_argument("--log-dir", type=Path, default=None, help="rpc-server logs")
+    parser.add_argument(
+        "--rpc-server", default=None, help="ggml-rpc-server binary (default: as found)"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ({rpc}: endpoints)")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --")
+    try:
+        binary = find_rpc_server(args.rpc_server)
+    except RpcServerNotFound as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return asyncio.run(run_with_stack(args, command))
+    return asyncio.run(run_with_stack(args, binary, command))
 
 
 if __name__ == "__main__":
