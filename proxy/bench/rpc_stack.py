@@ -42,6 +42,9 @@ class DelayRelay:
         self.host = host
         self.port = free_port(host)
         self.lateness_s: list[float] = []  # actual hold minus delay_s, per chunk
+        # Replies: data from the server after data from the client on one connection,
+        # i.e. the round trips a client had to wait for (whatever the delay).
+        self.replies = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -67,14 +70,24 @@ class DelayRelay:
         self._tasks.add(task)
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+            last = ["down"]  # which way the latest chunk went, shared by both pipes
+            await asyncio.gather(
+                self._pipe(reader, up_writer, "up", last),
+                self._pipe(up_reader, writer, "down", last),
+            )
         except OSError as error:
             log.debug("relay connection ended: %s", error)
         finally:
             writer.close()
             self._tasks.discard(task)
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        direction: str,
+        last: list[str],
+    ) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
@@ -95,6 +108,9 @@ class DelayRelay:
         sender = asyncio.create_task(send())
         try:
             while data := await src.read(1 << 20):
+                if direction == "down" and last[0] == "up":
+                    self.replies += 1
+                last[0] = direction
                 queue.put_nowait((loop.time() + self.delay_s, data))
         finally:
             queue.put_nowait((0.0, b""))
@@ -103,11 +119,17 @@ class DelayRelay:
 
 @contextlib.asynccontextmanager
 async def rpc_endpoints(
-    binary: Path, count: int, delay_ms: float, threads: int | None, log_dir: Path | None
+    binary: Path,
+    count: int,
+    delay_ms: float,
+    threads: int | None,
+    log_dir: Path | None,
+    relay: bool | None = None,
 ) -> AsyncIterator[tuple[list[str], list[DelayRelay]]]:
-    """`count` rpc-servers, each behind a relay when `delay_ms` > 0; their endpoints."""
+    """`count` rpc-servers, each behind a relay when `relay` (default: when `delay_ms`
+    > 0); the endpoints llama-server should use, and the relays."""
     async with rpc_servers(count, binary, threads=threads, log_dir=log_dir) as servers:
-        if delay_ms <= 0:
+        if not (delay_ms > 0 if relay is None else relay):
             yield [s.endpoint for s in servers], []
             return
         relays = [DelayRelay(s.host, s.port, delay_ms / 1000) for s in servers]
