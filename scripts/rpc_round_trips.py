@@ -4,9 +4,10 @@ decoding step and a verify round (k+1 prompts in one decode) side by side.
 
 Starts N ggml-rpc-servers behind counting relays (no delay) and a llama-server with
 the managed-mode verification flags and `--rpc` to the relays, then reads the relays'
-reply counts and llamacpp:n_decode_total around (a) a plain /completion of
+reply and byte counts and llamacpp:n_decode_total around (a) a plain /completion of
 `--tokens` tokens on a cached prompt and (b) verify rounds of k drafts (the proxy's
-request). Round trips x the link's RTT is what each decode pays for the network.
+request). Round trips x the link's RTT, plus the bytes over its bandwidth, is what
+each decode pays for the network.
 
 python scripts/rpc_round_trips.py --models DIR -k 4
 """
@@ -40,7 +41,7 @@ async def measure(args: argparse.Namespace) -> None:
             binary=args.llama_server,
             threads=1,
             slot_save_dir=Path(tempfile.mkdtemp(prefix="rpc-rt-")),
-            extra_args=["--rpc", ",".join(endpoints), "-ngl", "99"],
+            extra_args=["--rpc", ",".join(endpoints), "-ngl", "99", *args.server_arg],
         )
         await server.start()
         try:
@@ -50,13 +51,11 @@ async def measure(args: argparse.Namespace) -> None:
                 first = await upstream.completion({**body, "return_tokens": True})
                 generated = first["tokens"]
 
-                async def count(action) -> tuple[int, int]:
-                    decodes, replies = await upstream.n_decode_total(), _replies(relays)
+                async def count(action) -> tuple[int, int, int, int]:
+                    before = (await upstream.n_decode_total(), *_counts(relays))
                     await action()
-                    return (
-                        await upstream.n_decode_total() - decodes,
-                        _replies(relays) - replies,
-                    )
+                    after = (await upstream.n_decode_total(), *_counts(relays))
+                    return tuple(b - a for a, b in zip(before, after, strict=True))
 
                 plain = await count(lambda: upstream.completion(body))  # prompt cached
 
@@ -68,15 +67,24 @@ async def measure(args: argparse.Namespace) -> None:
                 verify = await count(rounds)
         finally:
             await server.stop()
-    for name, (decodes, replies) in (("plain step", plain), (f"verify k={args.k}", verify)):
+    for name, (decodes, replies, up, down) in (
+        ("plain step", plain),
+        (f"verify k={args.k}", verify),
+    ):
+        n = max(decodes, 1)
         print(
-            f"{name}: {decodes} decodes, {replies} replies over {args.servers} RPC servers "
-            f"= {replies / max(decodes, 1):.1f} round trips per decode"
+            f"{name}: {decodes} decodes; per decode {replies / n:.1f} round trips over "
+            f"{args.servers} RPC servers, {up / n / 1e3:.0f} kB sent, "
+            f"{down / n / 1e3:.0f} kB received"
         )
 
 
-def _replies(relays) -> int:
-    return sum(relay.replies for relay in relays)
+def _counts(relays) -> tuple[int, int, int]:
+    return (
+        sum(relay.replies for relay in relays),
+        sum(relay.bytes["up"] for relay in relays),
+        sum(relay.bytes["down"] for relay in relays),
+    )
 
 
 def main() -> int:
@@ -87,6 +95,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--llama-server", default=None)
     parser.add_argument("--rpc-server", default=None)
+    parser.add_argument("--server-arg", action="append", default=[], help="extra, repeatable")
     asyncio.run(measure(parser.parse_args()))
     return 0
 

@@ -45,6 +45,7 @@ class DelayRelay:
         # Replies: data from the server after data from the client on one connection,
         # i.e. the round trips a client had to wait for (whatever the delay).
         self.replies = 0
+        self.bytes = {"up": 0, "down": 0}  # to the server, back from it
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -111,6 +112,7 @@ class DelayRelay:
                 if direction == "down" and last[0] == "up":
                     self.replies += 1
                 last[0] = direction
+                self.bytes[direction] += len(data)
                 queue.put_nowait((loop.time() + self.delay_s, data))
         finally:
             queue.put_nowait((0.0, b""))
