@@ -206,7 +206,7 @@ def local_rpc_use(url: str, proc: Path = Path("/proc")) -> RpcUse | None:
     """RpcUse of the local process listening on `url`'s port, if it was started with
     --rpc; None when the upstream is not on this host, not visible (another user's
     process, no /proc) or not using RPC."""
-    parts = urlsplit(url)
+    parts = urlsplit(url if "://" in url else f"http://{url}")
     port = parts.port or (443 if parts.scheme == "https" else 80)
     if not _is_local_host(parts.hostname or ""):
         return None

@@ -62,6 +62,7 @@ def test_local_process_with_rpc_is_found(listener) -> None:
     pid, port = listener("--rpc", "127.0.0.1:50052,127.0.0.1:50053")
     use = rpc.local_rpc_use(f"http://127.0.0.1:{port}")
     assert use == rpc.RpcUse(pid, ["127.0.0.1:50052", "127.0.0.1:50053"])
+    assert rpc.local_rpc_use(f"localhost:{port}") == use  # no scheme: as doctor accepts
     lines = doctor.rpc_report(f"http://localhost:{port}")
     assert len(lines) == 1 and "[ok]" in lines[0] and "127.0.0.1:50053" in lines[0]
 
