@@ -104,6 +104,23 @@ def plan_report(args: argparse.Namespace) -> list[str]:
         raise UserError(str(error), "use a llama.cpp cache type such as f16 or q8_0") from None
 
 
+def rpc_report(url: str) -> list[str]:
+    """Whether the upstream splits its model over llama.cpp RPC devices. Its HTTP API
+    names no devices, so this reads the --rpc argument of the process listening on the
+    upstream's port, which is visible only when it runs on this host as this user. An
+    RPC split is a supported set-up, reported as ok, never as a misconfiguration."""
+    from proxy.rpc import local_rpc_use
+
+    use = local_rpc_use(url)
+    if use is None:
+        return []
+    return [
+        f"  [ok] model split over {len(use.endpoints)} RPC server(s) "
+        f"{', '.join(use.endpoints)} (llama-server pid {use.pid}, --rpc): every decode "
+        "step crosses the network, so each verify round saves round trips"
+    ]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--llama-server", default=None, metavar="PATH", help="llama-server binary to check"
@@ -179,7 +196,7 @@ def run(args: argparse.Namespace, echo: Callable[[str], None] = print) -> int:
     lines += onnxruntime_report()
     if args.upstream:
         upstream_lines, healthy = upstream_report(args.upstream, args.k, args.conversations)
-        lines += upstream_lines
+        lines += upstream_lines + rpc_report(args.upstream)
         ok &= healthy
     for line in lines:
         echo(line)

