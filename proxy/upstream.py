@@ -73,6 +73,9 @@ def sampling_verify_params(spec: SamplingSpec, seed: int) -> dict[str, Any]:
     }
 
 
+KEEPALIVE_TIMEOUT_S = 4.0  # below cpp-httplib's 5 s server-side keep-alive
+
+
 class UpstreamError(Exception):
     """llama-server could not be reached or failed; maps to 502 (bad answer) or 503."""
 
@@ -177,7 +180,11 @@ class UpstreamClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._pool_size, keepalive_timeout=60)
+            # llama-server (cpp-httplib) closes a connection idle for 5 s; keeping ours
+            # for less means a pooled connection is not reused just as the server drops it.
+            connector = aiohttp.TCPConnector(
+                limit=self._pool_size, keepalive_timeout=KEEPALIVE_TIMEOUT_S
+            )
             # auto_decompress off: pass-through must hand bodies on byte for byte.
             self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -203,20 +210,33 @@ class UpstreamClient:
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total, connect=self.timeouts.connect)
 
+    async def _send(
+        self, method: str, path: str, data: Any, headers: dict[str, str] | None, timeout: float
+    ) -> tuple[int, bytes]:
+        """One request, sent again once where the server closed the connection before
+        answering: a pooled keep-alive connection the server had just dropped. Every
+        call the proxy makes is safe to repeat (tokenize, verify, slot actions, metrics)."""
+        for attempt in (1, 2):
+            try:
+                async with self.session.request(
+                    method, self.base_url + path, data=data, headers=headers,
+                    timeout=self._timeout(timeout),
+                ) as response:  # fmt: skip
+                    return response.status, await response.read()
+            except aiohttp.ServerDisconnectedError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     async def _request_json(
         self, method: str, path: str, body: Any = None, timeout: float | None = None
     ) -> Any:
-        url = self.base_url + path
+        data = _encoded(body)
+        headers = {"Content-Type": "application/json"} if body is not None else None
         try:
-            async with self.session.request(
-                method,
-                url,
-                data=_encoded(body),
-                headers={"Content-Type": "application/json"} if body is not None else None,
-                timeout=self._timeout(timeout or self.timeouts.control),
-            ) as response:
-                raw = await response.read()
-                status = response.status
+            status, raw = await self._send(
+                method, path, data, headers, timeout or self.timeouts.control
+            )
         except TimeoutError as exc:
             raise UpstreamError(self.base_url, f"{method} {path} timed out", 504) from exc
         except aiohttp.ClientConnectorError as exc:
@@ -260,25 +280,21 @@ class UpstreamClient:
         )
 
     async def metrics_text(self) -> str:
-        url = self.base_url + "/metrics"
         try:
-            async with self.session.get(
-                url, timeout=self._timeout(self.timeouts.control)
-            ) as response:
-                text = await response.text()
-                if response.status != 200:
-                    raise UpstreamError(
-                        self.base_url,
-                        f"GET /metrics: HTTP {response.status} (start llama-server with --metrics)",
-                        502,
-                    )
-                return text
+            status, raw = await self._send("GET", "/metrics", None, None, self.timeouts.control)
         except TimeoutError as exc:
             raise UpstreamError(self.base_url, "GET /metrics timed out", 504) from exc
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamError(self.base_url, f"cannot connect ({exc.os_error})", 503) from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(self.base_url, f"GET /metrics failed: {exc!r}", 502) from exc
+        if status != 200:
+            raise UpstreamError(
+                self.base_url,
+                f"GET /metrics: HTTP {status} (start llama-server with --metrics)",
+                502,
+            )
+        return raw.decode("utf-8", errors="replace")
 
     async def metrics(self) -> dict[str, float]:
         return parse_prometheus(await self.metrics_text())
