@@ -43,11 +43,17 @@ class GuardedDrafter:
     async def propose(self, committed: Sequence[int], k: int) -> list[int]:
         return await self._bounded(self._inner.propose(committed, k), k, lambda d: list(d))
 
-    async def draft(self, committed: Sequence[int], k_max: int, worth: StopRule) -> GreedyDraft:
+    async def draft(
+        self, committed: Sequence[int], k_max: int, worth: StopRule, k_fresh: int | None = None
+    ) -> GreedyDraft:
         inner = getattr(self._inner, "draft", None)
         if inner is None:
-            return GreedyDraft(tokens=await self.propose(committed, k_max))
-        return await self._bounded(inner(committed, k_max, worth), k_max, lambda d: d.tokens)
+            fresh = k_max if k_fresh is None else min(k_max, k_fresh)
+            return GreedyDraft(tokens=await self.propose(committed, fresh))
+        call = inner(committed, k_max, worth) if k_fresh is None else (
+            inner(committed, k_max, worth, k_fresh)
+        )  # fmt: skip
+        return await self._bounded(call, k_max, lambda d: d.tokens)
 
     async def extend(self, n_max: int, cancel: CancelToken, predraft: bool = False) -> int:
         """Drafting ahead; its tokens are checked when a later `draft` hands them out."""

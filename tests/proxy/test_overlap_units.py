@@ -530,3 +530,20 @@ async def test_a_round_without_drafts_ready_drafts_at_most_k_fresh():
         assert second.tokens == expected_draft(line, 4) and second.reused == 4
     finally:
         await drafter.close()
+
+
+async def test_the_guarded_drafter_passes_k_fresh_on():
+    """The proxy wraps every session (proxy.drafter_guard): the wrapper must take the
+    fresh-length argument, or the first round using it would drop the drafter."""
+    from proxy.drafter_guard import DrafterSupervisor
+
+    supervisor = DrafterSupervisor(lambda: AsyncSessionDrafter(CountingSession()))
+    drafter = await supervisor.open()
+    assert drafter is not None
+    try:
+        draft = await drafter.draft([1, 2, 3], 4, always, 1)
+        assert draft.tokens == expected_draft([1, 2, 3], 1)
+        assert (await drafter.draft([5, 6], 3, always)).tokens == expected_draft([5, 6], 3)
+        assert supervisor.failures == 0
+    finally:
+        await drafter.close()
