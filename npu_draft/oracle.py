@@ -52,9 +52,6 @@ from npu_draft.protocol import (
 
 ORACLE_FILE = "oracle.json"
 QWEN_VOCAB = 151936
-# drafts past the first wrong one: at most this many tokens beyond the path (more than
-# any round drafts; a committed sequence that left the path soon exceeds it)
-PAST_MISS = 32
 _MASK64 = (1 << 64) - 1
 
 
@@ -137,6 +134,7 @@ class OracleDraftSession:
         self._tokens: list[int] = []
         self._ref: Reference | None = None  # the reference the prompt belongs to
         self._on_path = 0  # leading tokens of the sequence that lie on _ref
+        self._synced = 0  # length of the sequence given by the last sync (the rest: drafts)
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -150,6 +148,7 @@ class OracleDraftSession:
         else:
             reused = common_prefix_length(old, new)
         self._tokens = new
+        self._synced = len(new)
         if self._ref is not None:
             self._on_path = self._ref.matched(new, min(self._on_path, reused))
         return SyncStats(reused=reused, appended=len(new) - reused)
@@ -159,12 +158,9 @@ class OracleDraftSession:
             position = self._ref.position(self._tokens, self._on_path)
             if position is not None:
                 return self._ref, position
-            if (
-                len(self._ref.prompt)
-                <= self._on_path
-                < len(self._tokens)
-                <= (self._on_path + PAST_MISS)
-            ):  # drafting on after its own wrong draft
+            if max(len(self._ref.prompt), self._synced) <= self._on_path < len(self._tokens):
+                # the path was left among its own drafts since the last sync (not by the
+                # committed sequence): drafting on after its own wrong draft
                 return self._ref, len(self._tokens) - len(self._ref.prompt)
         for ref in self._model.references:
             if ref is self._ref:
@@ -217,6 +213,7 @@ class OracleDraftSession:
         self._tokens = []
         self._ref = None
         self._on_path = 0
+        self._synced = 0
 
 
 class OracleDraftModel:

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from npu_draft.async_session import AsyncDraftSession
-from npu_draft.oracle import PAST_MISS, OracleConfig, OracleDraftModel, drafted_token
+from npu_draft.oracle import OracleConfig, OracleDraftModel, drafted_token
 
 VOCAB = 1000
 PROMPT = [7, 8, 9]
@@ -32,11 +32,14 @@ def test_drafts_on_past_its_own_wrong_draft_one_token_at_a_time():
 
 
 def test_a_committed_sequence_off_the_path_gets_no_drafts():
+    """A committed sequence that left the recorded output (a near-tie the target broke
+    the other way): the oracle knows nothing after it, so it drafts nothing."""
     model = _model(0.9)
     session = model.open_session()
-    off = [*PROMPT, TRUTH[0] + 1, *TRUTH[1 : PAST_MISS + 2]]
-    session.sync(off)
+    session.sync([*PROMPT, TRUTH[0] + 1])
     assert session.propose(3).tokens == []
+    session.sync([*PROMPT, TRUTH[0] + 1, *TRUTH[1:5]])
+    assert session.propose(1).tokens == []
     session.sync([1, 2, 3])  # an unknown prompt
     assert session.propose(3).tokens == []
 
