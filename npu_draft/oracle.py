@@ -52,9 +52,6 @@ from npu_draft.protocol import (
 
 ORACLE_FILE = "oracle.json"
 QWEN_VOCAB = 151936
-# drafts past the first wrong one: at most this many tokens beyond the path (more than
-# any round drafts; a committed sequence that left the path soon exceeds it)
-PAST_MISS = 32
 _MASK64 = (1 << 64) - 1
 
 
@@ -107,12 +104,18 @@ class Reference:
 class OracleConfig:
     acceptance: float = 1.0
     delay_ms: float = 0.0
+    # share of wrong drafts whose runner-up is the target's token (0: no runner-ups)
+    runner_up_hit: float = 0.0
     seed: int = 0
     vocab_size: int = QWEN_VOCAB
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.acceptance <= 1.0:
             raise ValueError(f"oracle acceptance {self.acceptance} is not in [0, 1]")
+        if not 0.0 <= self.runner_up_hit <= 1.0:
+            raise ValueError(f"oracle runner_up_hit {self.runner_up_hit} is not in [0, 1]")
+        if self.runner_up_hit > 0 and self.vocab_size < 3:
+            raise ValueError("oracle runner-ups need vocab_size >= 3")
         if self.delay_ms < 0:
             raise ValueError(f"oracle delay {self.delay_ms} ms is negative")
         if self.vocab_size < 2:
@@ -131,12 +134,29 @@ def drafted_token(config: OracleConfig, ref: Reference, position: int) -> int:
     return (true_token + offset) % config.vocab_size
 
 
+def runner_up(config: OracleConfig, ref: Reference, position: int) -> int:
+    """The oracle's second choice at `position`: after a wrong draft, the target's own
+    token with probability runner_up_hit; otherwise (and after a right one) a wrong id."""
+    true_token = ref.continuation[position]
+    h = _mix64(_mix64((config.seed ^ 0x5EED) & _MASK64) ^ ref.key ^ _mix64(position))
+    drafted = drafted_token(config, ref, position)
+    if drafted != true_token and (h >> 11) / float(1 << 53) < config.runner_up_hit:
+        return true_token
+    offset = 1 + _mix64(h) % (config.vocab_size - 2)
+    for extra in range(3):  # an id that is neither the target's token nor the draft
+        other = (true_token + offset + extra) % config.vocab_size
+        if other not in (true_token, drafted):
+            return other
+    raise AssertionError("unreachable: three consecutive ids")
+
+
 class OracleDraftSession:
     def __init__(self, model: OracleDraftModel) -> None:
         self._model = model
         self._tokens: list[int] = []
         self._ref: Reference | None = None  # the reference the prompt belongs to
         self._on_path = 0  # leading tokens of the sequence that lie on _ref
+        self._synced = 0  # length of the sequence given by the last sync (the rest: drafts)
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -150,6 +170,7 @@ class OracleDraftSession:
         else:
             reused = common_prefix_length(old, new)
         self._tokens = new
+        self._synced = len(new)
         if self._ref is not None:
             self._on_path = self._ref.matched(new, min(self._on_path, reused))
         return SyncStats(reused=reused, appended=len(new) - reused)
@@ -159,12 +180,9 @@ class OracleDraftSession:
             position = self._ref.position(self._tokens, self._on_path)
             if position is not None:
                 return self._ref, position
-            if (
-                len(self._ref.prompt)
-                <= self._on_path
-                < len(self._tokens)
-                <= (self._on_path + PAST_MISS)
-            ):  # drafting on after its own wrong draft
+            if max(len(self._ref.prompt), self._synced) <= self._on_path < len(self._tokens):
+                # the path was left among its own drafts since the last sync (not by the
+                # committed sequence): drafting on after its own wrong draft
                 return self._ref, len(self._tokens) - len(self._ref.prompt)
         for ref in self._model.references:
             if ref is self._ref:
@@ -198,6 +216,9 @@ class OracleDraftSession:
             token = drafted_token(config, ref, position + step)
             draft.tokens.append(token)
             draft.probs.append(1.0)
+            if config.runner_up_hit > 0 and sampling.greedy:
+                alt_p = (1.0 - config.acceptance) * config.runner_up_hit
+                draft.alternatives.append((runner_up(config, ref, position + step), alt_p))
             if draft.dists is not None:  # a point mass: the target accepts with p(x)
                 draft.dists.append(
                     SparseDist(np.array([token], np.int64), np.array([1.0], np.float64))
@@ -217,6 +238,7 @@ class OracleDraftSession:
         self._tokens = []
         self._ref = None
         self._on_path = 0
+        self._synced = 0
 
 
 class OracleDraftModel:
@@ -247,6 +269,7 @@ class OracleDraftModel:
         config = OracleConfig(
             acceptance=float(data.get("acceptance", 1.0)),
             delay_ms=float(data.get("delay_ms", 0.0)),
+            runner_up_hit=float(data.get("runner_up_hit", 0.0)),
             seed=int(data.get("seed", 0)),
             vocab_size=int(data.get("vocab_size", QWEN_VOCAB)),
         )
@@ -275,6 +298,7 @@ def write_oracle_folder(
     data = {
         "acceptance": config.acceptance,
         "delay_ms": config.delay_ms,
+        "runner_up_hit": config.runner_up_hit,
         "seed": config.seed,
         "vocab_size": config.vocab_size,
         "references": [[list(map(int, p)), list(map(int, c))] for p, c in references],

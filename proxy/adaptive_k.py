@@ -59,8 +59,11 @@ _RUNNER_UP_ALPHA = 0.05  # weight of the newest rejection in the runner-up hit r
 _PRIOR_RUNNER_UP_HITS = 0.3  # before any rejection had a runner-up to compare
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + _ALPHA * (new - old)
+_ACCEPT_ALPHA = 0.05  # the formula's acceptance: E(k) is steep in a, so average longer
+
+
+def _ema(old: float | None, new: float, alpha: float = _ALPHA) -> float:
+    return new if old is None else old + alpha * (new - old)
 
 
 @dataclass
@@ -343,8 +346,9 @@ class DraftLengthPolicy:
         mean, count = self._by_length.get(n, (costs.verify_ms, 0))
         self._by_length[n] = (mean + (costs.verify_ms - mean) / min(count + 1, 16), count + 1)
         rejected = costs.n_accepted < len(costs.probs)
-        self._successes = _ema(self._successes, costs.n_accepted)
-        self._failures = _ema(self._failures, 1.0 if rejected else 0.0)
+        weight = max(1.0 / (self.rounds + 1), _ACCEPT_ALPHA)  # a plain mean at first
+        self._successes = _ema(self._successes, costs.n_accepted, weight)
+        self._failures = _ema(self._failures, 1.0 if rejected else 0.0, weight)
         if costs.fresh_tokens > 0:
             self.token_ms = _ema(self.token_ms, costs.fresh_ms / costs.fresh_tokens)
         if costs.resynced:  # what the round waited for beyond drafting its tokens

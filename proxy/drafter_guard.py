@@ -48,9 +48,12 @@ class GuardedDrafter:
     ) -> GreedyDraft:
         inner = getattr(self._inner, "draft", None)
         if inner is None:
-            return GreedyDraft(tokens=await self.propose(committed, k_fresh or k_max))
-        drafted = inner(committed, k_max, worth, k_fresh)
-        return await self._bounded(drafted, k_max, lambda d: d.tokens)
+            fresh = k_max if k_fresh is None else min(k_max, k_fresh)
+            return GreedyDraft(tokens=await self.propose(committed, fresh))
+        call = inner(committed, k_max, worth) if k_fresh is None else (
+            inner(committed, k_max, worth, k_fresh)
+        )  # fmt: skip
+        return await self._bounded(call, k_max, lambda d: d.tokens)
 
     async def extend(self, n_max: int, cancel: CancelToken, predraft: bool = False) -> int:
         """Drafting ahead; its tokens are checked when a later `draft` hands them out."""

@@ -80,6 +80,9 @@ async def test_native_completion_matches_server(
         # k+1 prompts fit one batch).
         assert metrics.rounds > 0
         assert metrics.decode_check_failures == 0
+        # the drafter served the whole request (a failure would fall back to plain
+        # decoding: lossless, so only this catches it)
+        assert metrics.drafter_failures == 0 and proxy.state.drafters.failures == 0
         timings = got["timings"]
         if metrics.draft_tokens:
             assert timings["draft_n"] == metrics.draft_tokens

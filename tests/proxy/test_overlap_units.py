@@ -530,3 +530,69 @@ async def test_a_round_without_drafts_ready_drafts_at_most_k_fresh():
         assert second.tokens == expected_draft(line, 4) and second.reused == 4
     finally:
         await drafter.close()
+
+
+async def test_the_guarded_drafter_passes_k_fresh_on():
+    """The proxy wraps every session (proxy.drafter_guard): the wrapper must take the
+    fresh-length argument, or the first round using it would drop the drafter."""
+    from proxy.drafter_guard import DrafterSupervisor
+
+    supervisor = DrafterSupervisor(lambda: AsyncSessionDrafter(CountingSession()))
+    drafter = await supervisor.open()
+    assert drafter is not None
+    try:
+        draft = await drafter.draft([1, 2, 3], 4, always, 1)
+        assert draft.tokens == expected_draft([1, 2, 3], 1)
+        assert (await drafter.draft([5, 6], 3, always)).tokens == expected_draft([5, 6], 3)
+        assert supervisor.failures == 0
+    finally:
+        await drafter.close()
+
+
+# -- the round timeline ---------------------------------------------------------------
+
+
+async def test_round_timeline_adds_up_and_sees_the_drafter_work_during_verification():
+    """Verify takes 30 ms; the drafter 8 ms a token. Without drafting ahead the drafter
+    idles through every verification; with it (4 tokens = 32 ms to draft ahead) it is
+    busy for nearly all of it. The server's idle gap holds the round's draft wait."""
+    from proxy.engine import Generation, GenerationParams, PieceCache
+    from proxy.metrics import ProxyMetrics
+    from proxy.overlap_policy import OverlapPolicy
+    from tests.proxy.test_units import FakeUpstream
+
+    class SlowUpstream(FakeUpstream):
+        async def verify(self, context, draft, branch=None):
+            await asyncio.sleep(0.03)
+            return await super().verify(context, draft, branch)
+
+    class SlowSession(ScriptSession):
+        def propose(self, k, sampling=GREEDY, rng=None, cancel=None) -> Draft:
+            import time
+
+            time.sleep(0.008 * k)  # a drafter of 8 ms a token, off the event loop
+            return super().propose(k, sampling, rng, cancel)
+
+    script = list(range(100, 140))
+    idle = {}
+    for overlap in (False, True):
+        upstream = SlowUpstream(script)
+        metrics = ProxyMetrics()
+        params = GenerationParams(n_predict=24, k=3, overlap=overlap, adaptive=False)
+        session = SlowSession(script, 2, set(), [0])
+        generation = Generation(
+            upstream, [1, 2], params, 1000, AsyncSessionDrafter(session), PieceCache(upstream),
+            observer=metrics, overlap_policy=OverlapPolicy("on" if overlap else "off"),
+        )  # fmt: skip
+        assert [e.token async for e in generation.run()] == script[:24]
+        rounds = generation.result.rounds
+        for r in rounds:
+            assert r.draft_ready_ms <= r.verify_sent_ms <= r.verify_back_ms
+            assert r.verify_back_ms - r.verify_sent_ms == pytest.approx(r.verify_ms, abs=0.5)
+            assert 0.0 <= r.drafter_idle_ms <= r.verify_ms
+            assert r.server_idle_ms >= r.draft_ms - 0.5  # the draft wait is server idle time
+        idle[overlap] = sum(r.drafter_idle_ms for r in rounds) / sum(r.verify_ms for r in rounds)
+        assert metrics.server_idle_ms.n == metrics.drafter_idle_ms.n == len(rounds)
+        assert "npu_spec_server_idle_ms_sum" in metrics.render()
+    assert idle[False] == pytest.approx(1.0)
+    assert idle[True] < 0.2
