@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -421,6 +422,9 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             ),
             include_usage=params.include_usage,
             return_tokens=bool(body.get("return_tokens", False)),
+            timings_per_token=params.timings_per_token,
+            return_progress=params.return_progress,
+            reasoning_format=params.reasoning_format,
         )
         generation = Generation(
             state.upstream,
@@ -489,21 +493,22 @@ async def _complete(
         return _spec_json(shapes.native_final(ctx, result, False, ctx.return_tokens))
     if kind == "oai":
         return _spec_json(shapes.oai_completion_final(ctx, result, stream=False))
-    message = shapes.split_reasoning(
-        shapes.text(result.content), shapes.thinking_prefix(prompt_text)
+    message = shapes.parse_chat_output(
+        shapes.text(result.content), shapes.thinking_prefix(prompt_text), ctx.reasoning_format
     )
     return _spec_json(shapes.chat_final(ctx, result, message))
 
 
 class _ChatStreamState:
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, reasoning_format: str) -> None:
         self.prefix = prefix
+        self.reasoning_format = reasoning_format
         self.text = ""
         self.message = shapes.ChatMessage(content="")
 
     def update(self, added: str) -> dict[str, Any] | None:
         self.text += added
-        parsed = shapes.split_reasoning(self.text, self.prefix)
+        parsed = shapes.parse_chat_output(self.text, self.prefix, self.reasoning_format)
         diff = shapes.chat_diff(self.message, parsed)
         self.message = parsed
         return diff
@@ -517,6 +522,7 @@ async def _stream(
     ctx: shapes.ResponseContext,
     prompt_text: str,
 ) -> web.StreamResponse:
+    started = time.perf_counter()
     events = generation.run()
     # As the server does, an error before the first token is a plain JSON error.
     try:
@@ -530,8 +536,31 @@ async def _stream(
     response.content_type = "text/event-stream"
     response.headers[HEADER] = "speculative"
     await response.prepare(request)
-    chat = _ChatStreamState(shapes.thinking_prefix(prompt_text)) if kind == "chat" else None
+    chat = (
+        _ChatStreamState(shapes.thinking_prefix(prompt_text), ctx.reasoning_format)
+        if kind == "chat"
+        else None
+    )
     held: TokenEvent | None = None  # a stop-word token's chunk carries the final timings
+    first_token_at = time.perf_counter()
+    if ctx.return_progress:
+        # The server reports the prompt's start and its end (one batch for the prompts
+        # served here); the engine's prompt work is over once the first token exists.
+        prompt_ms = (first_token_at - started) * 1e3
+        for processed, time_ms in ((0, 0.0), (ctx.n_prompt, prompt_ms)):
+            progress = shapes.prompt_progress(ctx.n_prompt, processed, time_ms)
+            await response.write(shapes.sse(shapes.progress_chunk(ctx, kind, progress)))
+
+    def running(event: TokenEvent) -> dict | None:
+        if not ctx.timings_per_token:
+            return None
+        now = time.perf_counter()
+        return shapes.running_timings(
+            ctx.n_prompt,
+            event.n_decoded,
+            (first_token_at - started) * 1e3,
+            (now - first_token_at) * 1e3,
+        )
 
     async def emit(event: TokenEvent, timings: dict | None = None) -> None:
         if kind == "native":
@@ -558,7 +587,7 @@ async def _stream(
                 if event.stopped_by_word:
                     held = event
                 else:
-                    await emit(event)
+                    await emit(event, running(event))
             try:
                 event = await anext(events)
             except StopAsyncIteration:

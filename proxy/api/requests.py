@@ -51,10 +51,11 @@ _NUMBERS = {
     "adaptive_target", "adaptive_decay",
     # presentation: pings while the stream is silent, the slot the client would like
     "sse_ping_interval", "id_slot",
-    # `typ_p` is no server field (the server reads `typical_p`); llama.cpp's web UI
-    # sends it anyway, and the server ignores it
-    "typ_p",
 }  # fmt: skip
+# Fields real clients send that llama-server does not read at all (its schema skips
+# unknown keys): llama.cpp's web UI sends `typ_p` (the server reads `typical_p`),
+# LM Studio-style clients send `ttl` (LM Studio's model idle time-out).
+IGNORED_BY_SERVER = {"typ_p", "ttl"}
 _BOOLS = {
     "cache_prompt", "return_tokens", "post_sampling_probs",
     # presentation and reporting: the proxy shapes the response as the server would
@@ -74,12 +75,16 @@ _COMMON_KEYS = (
     | _BOOLS
     | {"stream", "stop", "temperature", "model", "stream_options", "samplers", "logit_bias"}
     | {"n_predict", "max_tokens", "max_completion_tokens", "backend_sampling", "user"}
+    | IGNORED_BY_SERVER
 )
 NATIVE_KEYS = _COMMON_KEYS | {"prompt"}
 OAI_COMPLETION_KEYS = _COMMON_KEYS | {"prompt", "n", "logprobs"}
 CHAT_KEYS = _COMMON_KEYS | {
     "messages", "n", "chat_template_kwargs", "logprobs", "reasoning_format",
     "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    # changes the template's input only: the prompt comes from the server's own
+    # /apply-template with the whole body, so it is exact
+    "reasoning_effort",
 }  # fmt: skip
 
 
@@ -309,6 +314,8 @@ def parse_chat(body: Any, defaults: dict[str, Any]) -> SpecParams:
         raise NotEligible("tool_choice other than none/auto")
     if not isinstance(body.get("parallel_tool_calls", False), bool):
         raise NotEligible("parallel_tool_calls is not a boolean")
+    if not isinstance(body.get("reasoning_effort", ""), str):
+        raise NotEligible("reasoning_effort is not a string")
     if body.get("response_format") not in (None, {"type": "text"}):
         raise NotEligible("response_format other than text")
     reasoning_format = body.get("reasoning_format", defaults.get("reasoning_format", "auto"))
