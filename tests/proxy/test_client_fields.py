@@ -127,3 +127,29 @@ def test_reasoning_format_comes_from_the_servers_default():
         {"messages": MESSAGES, "temperature": 0, "reasoning_format": "none"}, legacy
     )
     assert params.reasoning_format == "none"
+
+
+def test_running_timings_and_progress_have_the_servers_keys():
+    from proxy.api.shapes import ResponseContext, progress_chunk, prompt_progress, running_timings
+
+    timings = running_timings(n_prompt=10, n_decoded=3, prompt_ms=20.0, predicted_ms=8.0)
+    assert list(timings) == [
+        "cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
+        "predicted_n", "predicted_ms", "predicted_per_token_ms", "predicted_per_second",
+    ]  # fmt: skip
+    assert timings["predicted_per_token_ms"] == 4.0 and timings["prompt_per_second"] == 500.0
+    ctx = ResponseContext("m", "b1", 10, "p", {})
+    progress = prompt_progress(10, 10, 20.4)
+    assert progress == {"total": 10, "cache": 0, "processed": 10, "time_ms": 20}
+    chat = progress_chunk(ctx, "chat", progress)
+    assert chat["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert progress_chunk(ctx, "native", progress)["tokens"] == [0]
+
+
+def test_reasoning_format_none_keeps_the_text_as_generated():
+    from proxy.api.shapes import parse_chat_output
+
+    text = "<think>plan</think>answer"
+    assert parse_chat_output(text, "", "none").content == text
+    split = parse_chat_output(text, "", "deepseek")
+    assert (split.reasoning_content, split.content) == ("plan", "answer")
