@@ -189,6 +189,17 @@ def _sampling_spec(
     )
 
 
+# Fields the server refuses outside these bounds (server-schema.cpp set_hard_limits);
+# such a request goes through so the server answers with its own 400. Fields with
+# soft limits are clamped by the server, as sampler_chain reads them.
+_HARD_LIMITS = {
+    "n_keep": (-1, 2**31 - 1), "repeat_last_n": (0, 2**31 - 1),
+    "dry_allowed_length": (0, 2**31 - 1), "dry_penalty_last_n": (0, 2**31 - 1),
+    "min_keep": (0, 2**31 - 1), "adaptive_decay": (0.0, 0.99),
+    "sse_ping_interval": (-1, 2**31 - 1),
+}  # fmt: skip
+
+
 def _check_common(body: dict[str, Any], defaults: dict[str, Any], allowed: set[str]) -> SpecParams:
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -196,6 +207,9 @@ def _check_common(body: dict[str, Any], defaults: dict[str, Any], allowed: set[s
     for key in _NUMBERS:
         if key in body and body[key] is not None and not _is_number(body[key]):
             raise NotEligible(f"{key} is not a number")
+    for key, (low, high) in _HARD_LIMITS.items():
+        if key in body and body[key] is not None and not low <= body[key] <= high:
+            raise NotEligible(f"{key}={body[key]!r}: the server refuses it")
     for key in _BOOLS | {"stream"}:
         if key in body and not isinstance(body[key], bool):
             raise NotEligible(f"{key} is not a boolean")
@@ -318,7 +332,9 @@ def parse_chat(body: Any, defaults: dict[str, Any]) -> SpecParams:
         raise NotEligible("reasoning_effort is not a string")
     if body.get("response_format") not in (None, {"type": "text"}):
         raise NotEligible("response_format other than text")
-    reasoning_format = body.get("reasoning_format", defaults.get("reasoning_format", "auto"))
+    # /props reports "none" for a default task whatever --reasoning-format the server
+    # runs with; the server's own default (deepseek/auto) splits the same way
+    reasoning_format = body.get("reasoning_format", "auto")
     if reasoning_format not in REASONING_FORMATS:
         raise NotEligible(f"reasoning_format {reasoning_format!r} is not reproduced")
     params.reasoning_format = reasoning_format

@@ -234,11 +234,12 @@ def thinking_prefix(prompt_text: str, start: str = "<think>") -> str:
 def parse_chat_output(generated: str, prefix: str, reasoning_format: str) -> ChatMessage:
     """The message the server's chat parser makes of the output so far.
 
-    reasoning_format "none" keeps the text as generated; "auto" and "deepseek" split
-    a leading thinking block into reasoning_content.
+    reasoning_format "none" keeps the text as generated, after what the generation
+    prompt opened (e.g. "<think>\n") and without leading whitespace; "auto" and
+    "deepseek" split a leading thinking block into reasoning_content.
     """
     if reasoning_format == "none":
-        return ChatMessage(content=generated)
+        return ChatMessage(content=(prefix + generated).lstrip())
     return split_reasoning(generated, prefix)
 
 

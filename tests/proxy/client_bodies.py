@@ -41,8 +41,8 @@ def web_ui(messages: list[dict], stream: bool = True, **settings: Any) -> dict[s
 
 
 def web_ui_all_settings(messages: list[dict], temperature: float) -> dict[str, Any]:
-    """Every sampling setting filled in with llama-server's defaults (a user who
-    opened the settings dialog and saved it), at the given temperature."""
+    """Every sampling setting filled in with llama-server's defaults as /props
+    reports them (the UI syncs its settings from there), at the given temperature."""
     return web_ui(
         messages,
         temperature=temperature,
@@ -62,7 +62,7 @@ def web_ui_all_settings(messages: list[dict], temperature: float) -> dict[str, A
         dry_multiplier=0,
         dry_base=1.75,
         dry_allowed_length=2,
-        dry_penalty_last_n=-1,
+        dry_penalty_last_n=768,  # what /props reports: -1 becomes the context size
         samplers=WEB_UI_SAMPLERS,
     )
 

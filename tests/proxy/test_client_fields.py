@@ -117,16 +117,12 @@ def test_servers_own_chain_is_read_from_props():
     assert decide({"temperature": 0, "top_k": 1}, no_temperature_stage) == "greedy"
 
 
-def test_reasoning_format_comes_from_the_servers_default():
-    assert parse_chat({"messages": MESSAGES, "temperature": 0}, DEFAULTS).reasoning_format == (
-        "auto"
-    )
-    legacy = {**DEFAULTS, "reasoning_format": "deepseek-legacy"}
-    assert decide({"temperature": 0}, legacy).startswith("pass")
-    params = parse_chat(
-        {"messages": MESSAGES, "temperature": 0, "reasoning_format": "none"}, legacy
-    )
-    assert params.reasoning_format == "none"
+def test_reasoning_format_defaults_to_the_servers_split():
+    # /props reports "none" for a default task whatever the server runs with
+    props = {**DEFAULTS, "reasoning_format": "none"}
+    body = {"messages": MESSAGES, "temperature": 0}
+    assert parse_chat(body, props).reasoning_format == "auto"
+    assert parse_chat({**body, "reasoning_format": "none"}, props).reasoning_format == "none"
 
 
 def test_running_timings_and_progress_have_the_servers_keys():

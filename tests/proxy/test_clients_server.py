@@ -118,7 +118,14 @@ async def test_web_ui_default_settings_sample_speculatively(
         (events, done), headers = await answer(proxy.session, proxy.url, body)
     assert headers["X-Npu-Spec"] == "speculative"
     assert done and events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
-    assert all("timings" in e for e in split_progress(events)[1])
+    progress, rest = split_progress(events)
+    assert (
+        progress
+        and progress[-1]["prompt_progress"]["processed"] == progress[-1]["prompt_progress"]["total"]
+    )
+    # under timings_per_token every token's last chunk carries the running timings
+    deltas = [e for e in rest if e.get("choices") and e["choices"][0]["delta"].get("content")]
+    assert deltas and all("timings" in e for e in deltas)
 
 
 async def test_native_completion_with_samplers_top_k_is_greedy_and_speculative(
@@ -263,7 +270,26 @@ async def test_client_probes_pass_through(http, spec_server, reference_drafter):
                 assert got == want, path
 
 
-# -- reasoning: a template whose generation prompt opens a thinking block ----------
+# -- reasoning ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_reasoning_format_none_equals_server(
+    http, ref_server, spec_server, reference_drafter, stream
+):
+    body = {"messages": MESSAGES, "temperature": 0, "stream": stream, "reasoning_format": "none"}
+    body = await bounded(http, ref_server, body, 16)
+    expected, _ = await answer(http, ref_server, body)
+    async with run_proxy(spec_server, reference_drafter, 3) as proxy:
+        got, headers = await answer(proxy.session, proxy.url, body)
+    assert headers["X-Npu-Spec"] == "speculative"
+    if stream:
+        assert_same_stream(got, expected)
+    else:
+        assert comparable(got) == comparable(expected)
+
+
+# a template whose generation prompt opens a thinking block
 
 
 @pytest.fixture(scope="module")

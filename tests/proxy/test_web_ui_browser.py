@@ -23,6 +23,7 @@ from proxy.llama_server import LlamaServerProcess
 from proxy.managed import managed_server
 from tests.proxy.conftest import CTX, LOG_DIR, SPEC_LAYOUT, run_proxy
 from tests.proxy.helpers import chat_prompt_tokens, parse_sse, stable_length
+from tests.proxy.test_clients_server import assert_same_stream
 
 pytestmark = [pytest.mark.server]
 
@@ -134,8 +135,8 @@ async def test_web_ui_chat_in_a_browser(http, greedy_servers, reference_drafter,
         words = [w for w in content.split() if w.isalnum()]
         shown = turn["answer_text"]
         assert words and sum(w in shown for w in words) >= len(words) / 2, (content, shown)
-        # every chunk carries timings, as the server's do under timings_per_token
-        assert all("timings" in e for e in events if e.get("choices")), "timings missing"
+        # chunk by chunk as the server's: timings on each token, progress first
+        assert_same_stream((events, done), (expected, expected_done))
 
     # the second turn reused the first turn's conversation in the server's cache
     final_timings = parse_sse(turns[1]["body"].encode())[0][-1]["timings"]
