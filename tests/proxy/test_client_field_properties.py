@@ -128,4 +128,5 @@ async def _props(http, base: str) -> dict:
 
 def test_every_kind_of_decision_was_checked():
     # runs after the property above (file order): each outcome must have occurred
+    print(f"decisions checked against the server: {dict(_decisions)}")
     assert {"greedy", "mirrored sampling", "pass-through"} <= set(_decisions), _decisions
