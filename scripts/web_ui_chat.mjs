@@ -7,9 +7,13 @@
 // and OUT_DIR/chat.png (a screenshot after the last turn). Needs playwright-core
 // (NODE_PATH, see scripts/web_ui_setup.sh) and CHROMIUM (default /usr/bin/chromium).
 import { mkdirSync, mkdtempSync, writeFileSync } from 'node:fs';
+import { createRequire } from 'node:module';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { chromium } from 'playwright-core';
+
+// ES modules ignore NODE_PATH: resolve playwright-core from the folder it names
+const require = createRequire(join(process.env.NODE_PATH ?? process.cwd(), 'noop.js'));
+const { chromium } = require('playwright-core');
 
 const [url, outDir, ...messages] = process.argv.slice(2);
 if (!url || !outDir || messages.length === 0) {
@@ -19,18 +23,22 @@ if (!url || !outDir || messages.length === 0) {
 mkdirSync(outDir, { recursive: true });
 const TURN_TIMEOUT_MS = Number(process.env.TURN_TIMEOUT_MS ?? 120000);
 
-const browser = await chromium.launch({
-	executablePath: process.env.CHROMIUM ?? '/usr/bin/chromium',
-	headless: true,
-	args: [
-		'--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-		'--disable-background-networking', '--disable-component-update', '--disable-sync',
-		`--user-data-dir=${mkdtempSync(join(tmpdir(), 'web-ui-chromium-'))}`
-	]
-});
+// a fresh profile each run: no settings or conversations left from before
+const browser = await chromium.launchPersistentContext(
+	mkdtempSync(join(tmpdir(), 'web-ui-chromium-')),
+	{
+		executablePath: process.env.CHROMIUM ?? '/usr/bin/chromium',
+		headless: true,
+		viewport: { width: 1280, height: 900 },
+		args: [
+			'--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+			'--disable-background-networking', '--disable-component-update', '--disable-sync'
+		]
+	}
+);
 const turns = [];
 try {
-	const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });
+	const page = await browser.newPage();
 	page.on('console', (msg) => {
 		if (msg.type() === 'error') console.error(`[page] ${msg.text()}`);
 	});

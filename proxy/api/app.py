@@ -25,6 +25,7 @@ from proxy.api.guard import (
 )
 from proxy.api.passthrough import HEADER, forward
 from proxy.api.requests import NotEligible, PromptSpec, parse_chat, parse_completion
+from proxy.api.tool_calls import ToolTriggers, fallback_events, server_stream
 from proxy.drafter_guard import DrafterSupervisor
 from proxy.engine import (
     AsyncDrafter,
@@ -94,6 +95,7 @@ class ProxyState:
         self.sampled_run_gate = PlainRunGate(runs_mode)
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
+        self.tool_triggers = ToolTriggers(self.upstream)
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -380,9 +382,12 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
     body = parsed_body(request)  # the guard parsed every non-empty body
     if body is None or body is NOT_JSON:
         return await pass_on("no JSON body: the server answers with its own error")
+    triggers: list[str] = []  # tool-call triggers: the engine stops there
     try:
         if kind == "chat":
             params = parse_chat(body, state.defaults)
+            if params.offers_tools:
+                triggers = await state.tool_triggers.words(body)
             prompt_text = await state.upstream.apply_template(body)
             tokens = await state.upstream.tokenize(prompt_text, add_special=True)
         else:
@@ -431,7 +436,7 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             tokens,
             GenerationParams(
                 n_predict=params.n_predict,
-                stop=params.stop,
+                stop=params.stop + [t for t in triggers if t not in params.stop],
                 k=state.k,
                 sampling=params.sampling,
                 adaptive=state.adaptive_k,
@@ -453,11 +458,31 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             plain_runs=_run_gate(state, params.sampling),
         )
         log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, len(tokens))
+        tool_call = ToolCallStart(triggers, params.stop, body)
         if params.stream:
-            return await _stream(request, state, kind, generation, ctx, prompt_text)
-        return await _complete(state, kind, generation, ctx, prompt_text)
+            return await _stream(request, state, kind, generation, ctx, prompt_text, tool_call)
+        response = await _complete(state, kind, generation, ctx, prompt_text, tool_call)
+        if response is None:  # the model started a tool call: the server writes it
+            return await pass_on("the model started a tool call")
+        return response
     finally:
         state.scheduler.release(group)
+
+
+@dataclass
+class ToolCallStart:
+    """Whether a generation stopped where the server's tool-call grammar wakes up."""
+
+    triggers: list[str]
+    stop: list[str]  # the client's own stop words
+    body: dict[str, Any]  # the request, for the server to write the tool call
+
+    def reached(self, result: Any) -> bool:
+        return (
+            result.stop_type == "word"
+            and result.stopping_word in self.triggers
+            and result.stopping_word not in self.stop
+        )
 
 
 def _spec_json(body: dict[str, Any]) -> web.Response:
@@ -481,7 +506,9 @@ async def _complete(
     generation: Generation,
     ctx: shapes.ResponseContext,
     prompt_text: str,
-) -> web.Response:
+    tool_call: ToolCallStart,
+) -> web.Response | None:
+    """The response, or None when the model started a tool call."""
     try:
         async for _event in generation.run():
             pass
@@ -489,6 +516,8 @@ async def _complete(
         return _engine_error(state, exc)
     result = generation.result
     assert result is not None
+    if tool_call.reached(result):
+        return None
     if kind == "native":
         return _spec_json(shapes.native_final(ctx, result, False, ctx.return_tokens))
     if kind == "oai":
@@ -521,6 +550,7 @@ async def _stream(
     generation: Generation,
     ctx: shapes.ResponseContext,
     prompt_text: str,
+    tool_call: ToolCallStart,
 ) -> web.StreamResponse:
     started = time.perf_counter()
     events = generation.run()
@@ -594,6 +624,16 @@ async def _stream(
                 event = None
         result = generation.result
         assert result is not None
+        if chat is not None and tool_call.reached(result):
+            # the text so far is the server's; it writes the tool call and the end
+            sent = chat.message
+            server = [e async for e in server_stream(state.upstream, tool_call.body)]
+            for chunk in fallback_events(server, sent.content, sent.reasoning_content):
+                chunk.update({"id": ctx.cmpl_id, "created": ctx.created})
+                await response.write(shapes.sse(chunk))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
         if held is not None:
             await emit(held, result.timings())
         if kind == "native":

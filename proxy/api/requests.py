@@ -99,6 +99,7 @@ class SpecParams:
     timings_per_token: bool = False
     return_progress: bool = False
     reasoning_format: str = "auto"  # chat only: how reasoning_content is split
+    offers_tools: bool = False  # chat only: the server arms a lazy tool-call grammar
 
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # the server's "-1": a random seed
@@ -268,6 +269,15 @@ def _check_common(body: dict[str, Any], defaults: dict[str, Any], allowed: set[s
     )
 
 
+def _is_function_tool(tool: Any) -> bool:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return (
+        tool.get("type") == "function"
+        and isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+    )
+
+
 PromptSpec = str | list[int] | list[str | int]
 
 
@@ -322,10 +332,14 @@ def parse_chat(body: Any, defaults: dict[str, Any]) -> SpecParams:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise NotEligible("chat_template_kwargs is not an object")
-    if body.get("tools") not in (None, []):
-        raise NotEligible("tools given")
+    tools = body.get("tools")
+    if tools not in (None, []) and not (
+        isinstance(tools, list) and all(_is_function_tool(t) for t in tools)
+    ):
+        raise NotEligible("tools other than named functions")
     if body.get("tool_choice") not in (None, "none", "auto"):
-        raise NotEligible("tool_choice other than none/auto")
+        raise NotEligible("tool_choice forces a tool call: the grammar binds from the start")
+    params.offers_tools = bool(tools) and body.get("tool_choice", "auto") == "auto"
     if not isinstance(body.get("parallel_tool_calls", False), bool):
         raise NotEligible("parallel_tool_calls is not a boolean")
     if not isinstance(body.get("reasoning_effort", ""), str):

@@ -4,7 +4,8 @@
   (ChatService.sendMessage) and stores/chat/index.svelte.ts (getApiOptions). Sampling
   settings are sent only once the user changes them from the server's defaults;
   `stream`, `timings_per_token`, `backend_sampling`, `return_progress`,
-  `sse_ping_interval`, `reasoning_format` and `reasoning_control` always are.
+  `sse_ping_interval`, `reasoning_format`, `reasoning_control` and the UI's built-in
+  tools always are.
 - Open WebUI: backend/open_webui/utils/payload.py (apply_model_params_to_body_openai
   maps temperature, top_p, min_p, max_tokens, frequency_penalty, presence_penalty,
   reasoning_effort, seed, stop, logit_bias, response_format into the body) and
@@ -23,6 +24,23 @@ from typing import Any
 WEB_UI_SAMPLERS = "penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature"
 
 
+# The tools the web UI offers with every chat unless the user turns them off
+# (stores/tools.svelte.ts browserTools: get_datetime, and get_info when the server
+# has none); their definitions as the UI sends them.
+WEB_UI_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_datetime",
+        "description": "Returns the current local date and time in ISO 8601 format, "
+        "with the IANA time zone name",
+        "parameters": {"properties": {}, "required": [], "type": "object"}}},
+    {"type": "function", "function": {
+        "name": "get_info",
+        "description": "Get runtime info (OS name), may call when user asks about local "
+        "files or shell commands",
+        "parameters": {"properties": {}, "required": [], "type": "object"}}},
+]  # fmt: skip
+
+
 def web_ui(messages: list[dict], stream: bool = True, **settings: Any) -> dict[str, Any]:
     """A chat turn of llama.cpp's web UI; `settings` are the sampling settings the
     user changed (sent as the UI sends them)."""
@@ -32,6 +50,9 @@ def web_ui(messages: list[dict], stream: bool = True, **settings: Any) -> dict[s
     }
     if stream:
         body |= {"return_progress": True, "sse_ping_interval": 1}
+    body["tools"] = settings.pop("tools", WEB_UI_TOOLS)
+    if not body["tools"]:
+        del body["tools"]
     body |= {"reasoning_format": "auto", "reasoning_control": True}
     body |= {k: v for k, v in settings.items() if k != "samplers"}
     if "samplers" in settings:
@@ -82,6 +103,7 @@ def lm_studio(model: str, messages: list[dict], **params: Any) -> dict[str, Any]
 def greedy_client_bodies(model: str, messages: list[dict]) -> dict[str, dict[str, Any]]:
     return {
         "web-ui-temperature-0": web_ui(messages, temperature=0),
+        "web-ui-tools-off": web_ui(messages, temperature=0, tools=[]),
         "web-ui-all-settings-temperature-0": web_ui_all_settings(messages, 0),
         "web-ui-samplers-top_k-only": web_ui(messages, top_k=1, samplers="top_k"),
         "web-ui-not-streaming": web_ui(messages, stream=False, temperature=0),

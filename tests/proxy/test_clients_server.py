@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 
+from proxy.api.tool_calls import ToolTriggers
 from proxy.llama_server import LlamaServerProcess
 from proxy.managed import managed_server
 from proxy.server_install import source_dir
@@ -356,3 +357,58 @@ async def test_reasoning_formats_split_as_the_server_does(
                     assert comparable(got) == comparable(expected), where
                     seen_reasoning |= "reasoning_content" in got["choices"][0]["message"]
     assert seen_reasoning, "the template produced no reasoning_content at all"
+
+
+# -- tools: speculative until a tool call starts -------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tool_call_start_hands_the_request_to_the_server(
+    http, ref_server, spec_server, reference_drafter, monkeypatch, stream
+):
+    """The test model never writes "<tool_call>", so the splice is exercised with a
+    stand-in trigger: a word from the middle of the server's own answer. The server
+    (whose real trigger never fires) answers unconstrained; the proxy must stop at the
+    stand-in, let the server write the rest, and end up with the server's answer."""
+    body = web_ui(MESSAGES, stream=stream, temperature=0)
+    body = await bounded(http, ref_server, body, 24)
+    expected, _ = await answer(http, ref_server, body)
+    events = expected[0] if stream else None
+    text = (
+        "".join((e["choices"][0]["delta"].get("content") or "") for e in events if e["choices"])
+        if stream
+        else expected["choices"][0]["message"]["content"]
+    )
+    stand_in = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stand_in) == 3 and text.find(stand_in) >= 3, text
+
+    async def stand_in_triggers(self, probe):
+        return [stand_in]
+
+    monkeypatch.setattr(ToolTriggers, "_ask", stand_in_triggers)
+    async with run_proxy(spec_server, reference_drafter, 3) as proxy:
+        got, headers = await answer(proxy.session, proxy.url, body)
+        assert proxy.state.metrics.requests["passthrough"] == (0 if stream else 1)
+        # the engine stopped at the stand-in, before the answer's end
+        assert 0 < proxy.state.metrics.generated_tokens < body["max_tokens"]
+    if stream:
+        assert headers["X-Npu-Spec"] == "speculative"
+        got_events, done = got
+        assert done and len({e["id"] for e in got_events}) == 1
+        got_text = "".join(
+            (e["choices"][0]["delta"].get("content") or "") for e in got_events if e["choices"]
+        )
+        assert got_text == text
+        assert (
+            got_events[-1]["choices"][0]["finish_reason"]
+            == events[-1]["choices"][0]["finish_reason"]
+        )
+    else:
+        assert headers["X-Npu-Spec"] == "passthrough"
+        assert comparable(got) == comparable(expected)
+
+
+async def test_tool_triggers_the_server_arms(spec_server, reference_drafter):
+    async with run_proxy(spec_server, reference_drafter, 2) as proxy:
+        words = await proxy.state.tool_triggers.words(web_ui(MESSAGES))
+    assert words == ["<tool_call>\n"]  # Qwen3's template, as the server reports it
