@@ -3,7 +3,8 @@
 //
 //   node scripts/web_ui_chat.mjs URL OUT_DIR "first message" "second message" ...
 //
-// Writes OUT_DIR/turns.json ([{request, status, headers, body, answer_text}] per turn)
+// UI_SETTINGS (JSON) sets the UI's settings as a user would have saved them, e.g.
+// '{"max_tokens": 12}'. Writes OUT_DIR/turns.json ([{request, status, headers, body, answer_text}] per turn)
 // and OUT_DIR/chat.png (a screenshot after the last turn). Needs playwright-core
 // (NODE_PATH, see scripts/web_ui_setup.sh) and CHROMIUM (default /usr/bin/chromium).
 import { mkdirSync, mkdtempSync, writeFileSync } from 'node:fs';
@@ -39,6 +40,29 @@ const browser = await chromium.launchPersistentContext(
 const turns = [];
 try {
 	const page = await browser.newPage();
+	// DevTools hands back a text/event-stream body decoded as windows-1252; read what
+	// the page itself reads instead, decoded as UTF-8 (a clone of each chat response)
+	await page.addInitScript(() => {
+		const fetch = window.fetch.bind(window);
+		window.__chatBodies = [];
+		window.fetch = async (...args) => {
+			const response = await fetch(...args);
+			const url = String(args[0] instanceof Request ? args[0].url : args[0]);
+			if (url.includes('/chat/completions')) {
+				const slot = window.__chatBodies.push(null) - 1;
+				response.clone().text().then((text) => (window.__chatBodies[slot] = text));
+			}
+			return response;
+		};
+	});
+	if (process.env.UI_SETTINGS) {
+		// the UI keeps its settings in localStorage (constants/storage.constants.ts)
+		const settings = JSON.parse(process.env.UI_SETTINGS);
+		await page.addInitScript((s) => {
+			localStorage.setItem('LlamaUi.config', JSON.stringify(s));
+			localStorage.setItem('LlamaUi.userOverrides', JSON.stringify(Object.keys(s)));
+		}, settings);
+	}
 	page.on('console', (msg) => {
 		if (msg.type() === 'error') console.error(`[page] ${msg.text()}`);
 	});
@@ -54,7 +78,10 @@ try {
 		await input.fill(message);
 		await input.press('Enter');
 		const response = await answered;
-		const body = await response.text(); // the whole stream, once it has ended
+		await response.finished();
+		const turn = turns.length;
+		await page.waitForFunction((i) => typeof window.__chatBodies[i] === 'string', turn);
+		const body = await page.evaluate((i) => window.__chatBodies[i], turn);
 		// let the page render the final chunk
 		await page.waitForTimeout(1500);
 		const answers = page.locator('[aria-label="Assistant message with actions"]');

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from proxy.api.requests import NotEligible
-from proxy.upstream import UpstreamClient, UpstreamClientError
+from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 TRIGGER_WORD = 1  # common_grammar_trigger_type: TOKEN, WORD, PATTERN, PATTERN_FULL
 
@@ -119,6 +119,10 @@ async def server_stream(
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     ) as response:
+        if response.status != 200:
+            raise UpstreamError(
+                upstream.base_url, f"the tool call's stream failed (HTTP {response.status})"
+            )
         buffer = b""
         async for chunk in response.content.iter_any():
             buffer += chunk

@@ -4,7 +4,7 @@ The UI (built from the pinned source by scripts/web_ui_setup.sh) is served by th
 speculative llama-server (`--path`) and loads through the proxy's pass-through; its
 chat requests must be served speculatively and answer exactly as llama-server alone
 does on the same conversation. Both servers run at `--temp 0` (the UI then sends no
-temperature, as shipped) and `-n` small, so the answers are short and exact.
+temperature, as shipped); the UI's *Max tokens* setting keeps the answers short.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from proxy.llama_server import LlamaServerProcess
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.server]
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / ".cache" / "test-artifacts" / "web-ui"
 TURNS = ["Name three rivers in Europe.", "And three mountains?"]
-N_PREDICT = 12  # the servers' default token limit (-n): the UI sends none
+N_PREDICT = 12  # the UI's max_tokens setting
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def web_ui_tools() -> dict[str, str]:
 async def greedy_servers(
     llama_server_bin, demo_models, web_ui_tools, tmp_path
 ) -> AsyncIterator[tuple[str, str]]:
-    greedy = ["--temp", "0", "-n", str(N_PREDICT)]
+    greedy = ["--temp", "0"]
     ref = LlamaServerProcess(
         llama_server_bin,
         demo_models / "target.gguf",
@@ -89,15 +90,25 @@ def streamed_text(events: list[dict]) -> tuple[str, str]:
     return content, reasoning
 
 
-async def test_web_ui_chat_in_a_browser(http, greedy_servers, reference_drafter, web_ui_tools):
+async def test_web_ui_chat_in_a_browser(greedy_servers, reference_drafter, web_ui_tools):
     ref, spec = greedy_servers
+    # a connection per request: llama-server closes kept-alive ones after a stream
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+    try:
+        await _chat_in_a_browser(http, ref, spec, reference_drafter, web_ui_tools)
+    finally:
+        await http.close()
+
+
+async def _chat_in_a_browser(http, ref, spec, reference_drafter, web_ui_tools):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     async with run_proxy(spec, reference_drafter, 3) as proxy:
         driver = await asyncio.create_subprocess_exec(
             "node", str(REPO / "scripts" / "web_ui_chat.mjs"), proxy.url + "/", str(ARTIFACTS),
             *TURNS,
             env={**os.environ, "NODE_PATH": web_ui_tools["node_modules"],
-                 "CHROMIUM": web_ui_tools["chromium"]},
+                 "CHROMIUM": web_ui_tools["chromium"],
+                 "UI_SETTINGS": json.dumps({"max_tokens": N_PREDICT})},
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
@@ -115,6 +126,8 @@ async def test_web_ui_chat_in_a_browser(http, greedy_servers, reference_drafter,
         # the UI's own request, as its source builds it
         assert request["timings_per_token"] is True and request["return_progress"] is True
         assert request["reasoning_format"] == "auto" and request["stream"] is True
+        assert request["max_tokens"] == N_PREDICT and "temperature" not in request
+        assert {t["function"]["name"] for t in request["tools"]} >= {"get_datetime"}
         assert [m["content"] for m in request["messages"] if m["role"] == "user"] == TURNS[: i + 1]
         assert turn["status"] == 200 and turn["headers"]["x-npu-spec"] == "speculative", turn
         events, done = parse_sse(turn["body"].encode())
