@@ -31,6 +31,7 @@ from proxy.engine import (
     AsyncDrafter,
     Generation,
     GenerationParams,
+    GenerationResult,
     PieceCache,
     SlotReplicator,
     TokenEvent,
@@ -477,7 +478,7 @@ class ToolCallStart:
     stop: list[str]  # the client's own stop words
     body: dict[str, Any]  # the request, for the server to write the tool call
 
-    def reached(self, result: Any) -> bool:
+    def reached(self, result: GenerationResult) -> bool:
         return (
             result.stop_type == "word"
             and result.stopping_word in self.triggers
@@ -534,6 +535,7 @@ class _ChatStreamState:
         self.reasoning_format = reasoning_format
         self.text = ""
         self.message = shapes.ChatMessage(content="")
+        self.role_sent = False  # the opening {"role": "assistant"} chunk
 
     def update(self, added: str) -> dict[str, Any] | None:
         self.text += added
@@ -602,6 +604,7 @@ async def _stream(
             chunks = []
             if event.n_decoded == 1:
                 chunks.append(shapes.chat_chunk(ctx, {"role": "assistant", "content": None}))
+                chat.role_sent = True
             diff = chat.update(shapes.text(event.text))
             if diff:
                 chunks.append(shapes.chat_chunk(ctx, diff))
@@ -628,7 +631,8 @@ async def _stream(
             # the text so far is the server's; it writes the tool call and the end
             sent = chat.message
             server = [e async for e in server_stream(state.upstream, tool_call.body)]
-            for chunk in fallback_events(server, sent.content, sent.reasoning_content):
+            role_sent = chat.role_sent
+            for chunk in fallback_events(server, sent.content, sent.reasoning_content, role_sent):
                 chunk.update({"id": ctx.cmpl_id, "created": ctx.created})
                 await response.write(shapes.sse(chunk))
             await response.write(b"data: [DONE]\n\n")

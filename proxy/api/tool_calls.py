@@ -70,7 +70,10 @@ class ToolTriggers:
 
 
 def fallback_events(
-    events: list[dict[str, Any]] | None, sent_content: str, sent_reasoning: str
+    events: list[dict[str, Any]] | None,
+    sent_content: str,
+    sent_reasoning: str,
+    sent_role: bool,
 ) -> list[dict[str, Any]]:
     """The server's stream for the same request, less what the proxy already sent.
 
@@ -88,7 +91,7 @@ def fallback_events(
             out.append(event)
             continue
         delta = dict(choices[0].get("delta") or {})
-        if delta.get("role") and not delta.get("content") and len(delta) <= 2 and not out:
+        if sent_role and delta.get("role") and not delta.get("content") and not out:
             continue  # the opening role chunk, already sent
         new_content = content + (delta.get("content") or "")
         new_reasoning = reasoning + (delta.get("reasoning_content") or "")
@@ -96,7 +99,7 @@ def fallback_events(
             ("content", content, new_content, sent_content),
             ("reasoning_content", reasoning, new_reasoning, sent_reasoning),
         ):
-            if key in delta:
+            if delta.get(key):
                 # keep only the part beyond what the proxy already sent
                 unsent = after[max(len(sent), len(before)) :]
                 if unsent:

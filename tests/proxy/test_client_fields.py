@@ -149,3 +149,31 @@ def test_reasoning_format_none_keeps_the_text_as_generated():
     assert parse_chat_output(text, "", "none").content == text
     split = parse_chat_output(text, "", "deepseek")
     assert (split.reasoning_content, split.content) == ("plan", "answer")
+
+
+def test_fallback_drops_what_was_sent_and_keeps_the_tool_call():
+    from proxy.api.tool_calls import fallback_events
+
+    def chunk(delta, finish=None):
+        return {"choices": [{"delta": delta, "finish_reason": finish, "index": 0}], "id": "x"}
+
+    server = [
+        {**chunk({"role": "assistant", "content": None}), "prompt_progress": {}},
+        chunk({"role": "assistant", "content": None}),
+        chunk({"content": "Let me "}),
+        chunk({"content": "check."}),
+        chunk({"tool_calls": [{"index": 0, "function": {"name": "get_datetime"}}]}),
+        chunk({}, "tool_calls"),
+    ]
+    out = fallback_events(server, "Let me ch", "", sent_role=True)
+    assert [e["choices"][0]["delta"] for e in out] == [
+        {"content": "eck."},
+        {"tool_calls": [{"index": 0, "function": {"name": "get_datetime"}}]},
+        {},
+    ]
+    assert out[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # nothing sent yet: the role chunk goes on too
+    assert fallback_events(server, "", "", sent_role=False)[0]["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": None,
+    }
