@@ -19,6 +19,7 @@ from proxy.api.requests import NotEligible
 from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 TRIGGER_WORD = 1  # common_grammar_trigger_type: TOKEN, WORD, PATTERN, PATTERN_FULL
+MAX_TOOL_SETS = 64  # tool sets remembered; the oldest is asked again when it returns
 
 
 class ToolTriggers:
@@ -35,6 +36,8 @@ class ToolTriggers:
         probe = {k: body[k] for k in fields if k in body}
         key = json.dumps(probe, sort_keys=True)
         if key not in self._known:
+            if len(self._known) >= MAX_TOOL_SETS:
+                del self._known[next(iter(self._known))]
             self._known[key] = await self._ask(probe)
         known = self._known[key]
         if isinstance(known, str):
