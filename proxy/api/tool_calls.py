@@ -123,7 +123,8 @@ async def server_stream(
     async with upstream.session.post(
         upstream.base_url + "/v1/chat/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        # llama-server may close a connection after a stream: never reuse this one
+        headers={"Content-Type": "application/json", "Connection": "close"},
     ) as response:
         if response.status != 200:
             raise UpstreamError(
