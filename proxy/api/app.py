@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +25,13 @@ from proxy.api.guard import (
 )
 from proxy.api.passthrough import HEADER, forward
 from proxy.api.requests import NotEligible, PromptSpec, parse_chat, parse_completion
+from proxy.api.tool_calls import ToolTriggers, fallback_events, server_stream
 from proxy.drafter_guard import DrafterSupervisor
 from proxy.engine import (
     AsyncDrafter,
     Generation,
     GenerationParams,
+    GenerationResult,
     PieceCache,
     SlotReplicator,
     TokenEvent,
@@ -95,6 +98,7 @@ class ProxyState:
         self.sampled_run_gate = PlainRunGate(runs_mode, name="unseeded sampling")
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
+        self.tool_triggers = ToolTriggers(self.upstream)
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -389,9 +393,12 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
     body = parsed_body(request)  # the guard parsed every non-empty body
     if body is None or body is NOT_JSON:
         return await pass_on("no JSON body: the server answers with its own error")
+    triggers: list[str] = []  # tool-call triggers: the engine stops there
     try:
         if kind == "chat":
             params = parse_chat(body, state.defaults)
+            if params.offers_tools:
+                triggers = await state.tool_triggers.words(body)
             prompt_text = await state.upstream.apply_template(body)
             tokens = await state.upstream.tokenize(prompt_text, add_special=True)
         else:
@@ -431,13 +438,16 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             ),
             include_usage=params.include_usage,
             return_tokens=bool(body.get("return_tokens", False)),
+            timings_per_token=params.timings_per_token,
+            return_progress=params.return_progress,
+            reasoning_format=params.reasoning_format,
         )
         generation = Generation(
             state.upstream,
             tokens,
             GenerationParams(
                 n_predict=params.n_predict,
-                stop=params.stop,
+                stop=params.stop + [t for t in triggers if t not in params.stop],
                 k=state.k,
                 sampling=params.sampling,
                 adaptive=state.adaptive_k,
@@ -460,11 +470,31 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             plain_runs=_run_gate(state, params.sampling),
         )
         log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, len(tokens))
+        tool_call = ToolCallStart(triggers, params.stop, body)
         if params.stream:
-            return await _stream(request, state, kind, generation, ctx, prompt_text)
-        return await _complete(state, kind, generation, ctx, prompt_text)
+            return await _stream(request, state, kind, generation, ctx, prompt_text, tool_call)
+        response = await _complete(state, kind, generation, ctx, prompt_text, tool_call)
+        if response is None:  # the model started a tool call: the server writes it
+            return await pass_on("the model started a tool call")
+        return response
     finally:
         state.scheduler.release(group)
+
+
+@dataclass
+class ToolCallStart:
+    """Whether a generation stopped where the server's tool-call grammar wakes up."""
+
+    triggers: list[str]
+    stop: list[str]  # the client's own stop words
+    body: dict[str, Any]  # the request, for the server to write the tool call
+
+    def reached(self, result: GenerationResult) -> bool:
+        return (
+            result.stop_type == "word"
+            and result.stopping_word in self.triggers
+            and result.stopping_word not in self.stop
+        )
 
 
 def _spec_json(body: dict[str, Any]) -> web.Response:
@@ -488,7 +518,9 @@ async def _complete(
     generation: Generation,
     ctx: shapes.ResponseContext,
     prompt_text: str,
-) -> web.Response:
+    tool_call: ToolCallStart,
+) -> web.Response | None:
+    """The response, or None when the model started a tool call."""
     try:
         async for _event in generation.run():
             pass
@@ -496,25 +528,29 @@ async def _complete(
         return _engine_error(state, exc)
     result = generation.result
     assert result is not None
+    if tool_call.reached(result):
+        return None
     if kind == "native":
         return _spec_json(shapes.native_final(ctx, result, False, ctx.return_tokens))
     if kind == "oai":
         return _spec_json(shapes.oai_completion_final(ctx, result, stream=False))
-    message = shapes.split_reasoning(
-        shapes.text(result.content), shapes.thinking_prefix(prompt_text)
+    message = shapes.parse_chat_output(
+        shapes.text(result.content), shapes.thinking_prefix(prompt_text), ctx.reasoning_format
     )
     return _spec_json(shapes.chat_final(ctx, result, message))
 
 
 class _ChatStreamState:
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, reasoning_format: str) -> None:
         self.prefix = prefix
+        self.reasoning_format = reasoning_format
         self.text = ""
         self.message = shapes.ChatMessage(content="")
+        self.role_sent = False  # the opening {"role": "assistant"} chunk
 
     def update(self, added: str) -> dict[str, Any] | None:
         self.text += added
-        parsed = shapes.split_reasoning(self.text, self.prefix)
+        parsed = shapes.parse_chat_output(self.text, self.prefix, self.reasoning_format)
         diff = shapes.chat_diff(self.message, parsed)
         self.message = parsed
         return diff
@@ -527,7 +563,9 @@ async def _stream(
     generation: Generation,
     ctx: shapes.ResponseContext,
     prompt_text: str,
+    tool_call: ToolCallStart,
 ) -> web.StreamResponse:
+    started = time.perf_counter()
     events = generation.run()
     # As the server does, an error before the first token is a plain JSON error.
     try:
@@ -541,8 +579,31 @@ async def _stream(
     response.content_type = "text/event-stream"
     response.headers[HEADER] = "speculative"
     await response.prepare(request)
-    chat = _ChatStreamState(shapes.thinking_prefix(prompt_text)) if kind == "chat" else None
+    chat = (
+        _ChatStreamState(shapes.thinking_prefix(prompt_text), ctx.reasoning_format)
+        if kind == "chat"
+        else None
+    )
     held: TokenEvent | None = None  # a stop-word token's chunk carries the final timings
+    first_token_at = time.perf_counter()
+    if ctx.return_progress:
+        # The server reports the prompt's start and its end (one batch for the prompts
+        # served here); the engine's prompt work is over once the first token exists.
+        prompt_ms = (first_token_at - started) * 1e3
+        for processed, time_ms in ((0, 0.0), (ctx.n_prompt, prompt_ms)):
+            progress = shapes.prompt_progress(ctx.n_prompt, processed, time_ms)
+            await response.write(shapes.sse(shapes.progress_chunk(ctx, kind, progress)))
+
+    def running(event: TokenEvent) -> dict | None:
+        if not ctx.timings_per_token:
+            return None
+        now = time.perf_counter()
+        return shapes.running_timings(
+            ctx.n_prompt,
+            event.n_decoded,
+            (first_token_at - started) * 1e3,
+            (now - first_token_at) * 1e3,
+        )
 
     async def emit(event: TokenEvent, timings: dict | None = None) -> None:
         if kind == "native":
@@ -554,6 +615,7 @@ async def _stream(
             chunks = []
             if event.n_decoded == 1:
                 chunks.append(shapes.chat_chunk(ctx, {"role": "assistant", "content": None}))
+                chat.role_sent = True
             diff = chat.update(shapes.text(event.text))
             if diff:
                 chunks.append(shapes.chat_chunk(ctx, diff))
@@ -569,13 +631,24 @@ async def _stream(
                 if event.stopped_by_word:
                     held = event
                 else:
-                    await emit(event)
+                    await emit(event, running(event))
             try:
                 event = await anext(events)
             except StopAsyncIteration:
                 event = None
         result = generation.result
         assert result is not None
+        if chat is not None and tool_call.reached(result):
+            # the text so far is the server's; it writes the tool call and the end
+            sent = chat.message
+            server = [e async for e in server_stream(state.upstream, tool_call.body)]
+            role_sent = chat.role_sent
+            for chunk in fallback_events(server, sent.content, sent.reasoning_content, role_sent):
+                chunk.update({"id": ctx.cmpl_id, "created": ctx.created})
+                await response.write(shapes.sse(chunk))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
         if held is not None:
             await emit(held, result.timings())
         if kind == "native":

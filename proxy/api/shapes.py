@@ -46,6 +46,9 @@ class ResponseContext:
     generation_settings: dict[str, Any]
     include_usage: bool = False
     return_tokens: bool = False
+    timings_per_token: bool = False
+    return_progress: bool = False
+    reasoning_format: str = "auto"
     cmpl_id: str = field(default_factory=random_id)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -81,6 +84,49 @@ def usage(ctx: ResponseContext, result: GenerationResult) -> dict[str, Any]:
         "total_tokens": n + ctx.n_prompt,
         "prompt_tokens_details": {"cached_tokens": result.n_prompt_cached},
     }
+
+
+def running_timings(n_prompt: int, n_decoded: int, prompt_ms: float,
+                    predicted_ms: float) -> dict[str, float | int]:  # fmt: skip
+    """The `timings` of a streamed chunk under `timings_per_token`, before the end.
+
+    Same keys as the server's (server_slot_stats::to_json). The engine learns how much
+    of the prompt the server had cached only at the end, so running chunks count the
+    whole prompt as processed; the last chunk carries the exact figures.
+    """
+    steps = max(n_decoded - 1, 0)
+    return {
+        "cache_n": 0,
+        "prompt_n": n_prompt,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / n_prompt if n_prompt > 0 else 0.0,
+        "prompt_per_second": 1e3 / prompt_ms * n_prompt if prompt_ms > 0 else 0.0,
+        "predicted_n": n_decoded,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / steps if steps > 0 else 0.0,
+        "predicted_per_second": 1e3 / predicted_ms * steps if predicted_ms > 0 else 0.0,
+    }
+
+
+def prompt_progress(n_prompt: int, processed: int, time_ms: float) -> dict[str, Any]:
+    """result_prompt_progress::to_json."""
+    return {"total": n_prompt, "cache": 0, "processed": processed, "time_ms": int(time_ms)}
+
+
+def progress_chunk(ctx: ResponseContext, kind: str, progress: dict[str, Any]) -> dict[str, Any]:
+    """A `return_progress` event: the server's partial result for no token
+    (send_partial_response(slot, {}, true): token 0, no text) with `prompt_progress`."""
+    if kind == "native":
+        out: dict[str, Any] = {
+            "index": 0, "content": "", "tokens": [0], "stop": False, "id_slot": -1,
+            "tokens_predicted": 0, "tokens_evaluated": ctx.n_prompt,
+        }  # fmt: skip
+    elif kind == "oai":
+        out = oai_completion_partial(ctx, TokenEvent(token=0, text=b"", sent=True, n_decoded=0))
+    else:
+        out = chat_chunk(ctx, {"role": "assistant", "content": None})
+    out["prompt_progress"] = progress
+    return out
 
 
 # -- /completion (llama.cpp native) ------------------------------------------------
@@ -183,6 +229,18 @@ def thinking_prefix(prompt_text: str, start: str = "<think>") -> str:
     if index < 0 or "<|im_start|>" in prompt_text[index:]:
         return ""
     return prompt_text[index:]
+
+
+def parse_chat_output(generated: str, prefix: str, reasoning_format: str) -> ChatMessage:
+    """The message the server's chat parser makes of the output so far.
+
+    reasoning_format "none" keeps the text as generated, after what the generation
+    prompt opened (e.g. "<think>\n") and without leading whitespace; "auto" and
+    "deepseek" split a leading thinking block into reasoning_content.
+    """
+    if reasoning_format == "none":
+        return ChatMessage(content=(prefix + generated).lstrip())
+    return split_reasoning(generated, prefix)
 
 
 def split_reasoning(

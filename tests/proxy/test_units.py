@@ -285,8 +285,12 @@ def test_prompt_forms():
 def test_chat_with_tools_or_images_passes_through():
     base = {"temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
     assert parse_chat(base, DEFAULTS).n_predict == -1
+    assert parse_chat({**base, "tools": []}, DEFAULTS).n_predict == -1  # no tools at all
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert parse_chat({**base, "tools": [tool]}, DEFAULTS).offers_tools  # until a tool call
     for extra in (
-        {"tools": []},
+        {"tools": [tool], "tool_choice": "required"},
+        {"tools": [{"type": "code_interpreter"}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         {"n": 2},
         {"logprobs": True},

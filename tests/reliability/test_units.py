@@ -247,26 +247,3 @@ def test_new_settings_from_cli_env_and_file(tmp_path, monkeypatch):
     assert settings.allow_slot_actions is False and settings.draft_timeout_s == 2.5
     assert settings.k == 3 and settings.restart_server is True  # older names unchanged
 
-
-async def test_guarded_drafter_hands_every_draft_argument_to_the_drafter():
-    """The engine limits fresh drafting (`k_fresh`); the guard must pass it on, not fail."""
-    from proxy.drafting import GreedyDraft, always
-
-    seen: list[tuple] = []
-
-    class Drafting:
-        async def propose(self, committed, k):
-            return [1] * k
-
-        async def draft(self, committed, k_max, worth, k_fresh=None):
-            seen.append((list(committed), k_max, k_fresh))
-            return GreedyDraft(tokens=[1] * (k_fresh or k_max))
-
-        async def close(self):
-            pass
-
-    guarded = await DrafterSupervisor(Drafting, n_vocab=10).open()
-    assert guarded is not None
-    drafted = await guarded.draft([5, 6], 4, always, 2)
-    assert drafted.tokens == [1, 1] and seen == [([5, 6], 4, 2)]
-    await guarded.close()
