@@ -246,4 +246,3 @@ def test_new_settings_from_cli_env_and_file(tmp_path, monkeypatch):
     assert settings.max_body_bytes == 2048 and settings.max_queue == 7
     assert settings.allow_slot_actions is False and settings.draft_timeout_s == 2.5
     assert settings.k == 3 and settings.restart_server is True  # older names unchanged
-
