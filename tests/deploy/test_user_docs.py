@@ -39,7 +39,8 @@ def test_the_benchmark_summary_comes_first_and_shows_how_to_measure() -> None:
     first_section = text.split("\n## ")[1]
     assert first_section.startswith("Summary")
     assert "npu-spec verify-cost" in first_section and "npu-spec bench" in first_section
-    assert "re-measured" in first_section  # the unfair builtin reference is called out
+    assert "2-layer" in first_section  # the unfair builtin reference is called out
+    assert "0.6B" in first_section and "Fair A/B on the H200" in first_section
 
 
 @pytest.mark.parametrize("path", USER_DOCS, ids=lambda p: p.name)
