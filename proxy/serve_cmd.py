@@ -96,12 +96,12 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         {
             "choices": ["formula", "uniform", "marginal"],
             "dest": "draft_length",
-            "help": "adaptive draft length: formula (default; the lengths with the most "
-            "expected tokens per expected round time, from measured acceptance, drafting "
-            "speed and per-length verify costs, counting only drafting not hidden by drafting "
-            "ahead: one for rounds whose drafts were drafted ahead, a shorter one for rounds "
-            "that draft fresh), uniform (one such length) or marginal (position by position "
-            "from the draft's own confidence)",
+            "help": "adaptive draft length: formula (the lengths with the most expected "
+            "tokens per expected round time, from measured acceptance, drafting speed and "
+            "per-length verify costs, counting only drafting not hidden by drafting ahead: "
+            "one for rounds whose drafts were drafted ahead, a shorter one for rounds that "
+            "draft fresh), uniform (one such length) or marginal (position by position from "
+            "the draft's own confidence) (default: %(default)s)",
         },
     ),
     (
@@ -122,9 +122,9 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         {
             "choices": ["on", "off"],
             "dest": "early_draft",
-            "help": "on (default): start the next round's draft as soon as a verify result "
-            "is back, while the proxy commits the round's tokens; off: when the next round "
-            "starts",
+            "help": "on: start the next round's draft as soon as a verify result is back, "
+            "while the proxy commits the round's tokens; off: when the next round starts "
+            "(default: %(default)s)",
         },
     ),
     (
