@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 from npu_draft.oracle import OracleConfig, OracleDraftModel
 from proxy.adaptive_k import DraftLengthPolicy
-from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams, PieceCache
+from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams
 from proxy.overlap_policy import OverlapPolicy
+from proxy.server_text import PieceCache
 from proxy.upstream import VerifyResult
 
 

@@ -32,14 +32,13 @@ from proxy.engine import (
     Generation,
     GenerationParams,
     GenerationResult,
-    PieceCache,
     SlotReplicator,
-    TokenEvent,
 )
 from proxy.metrics import ProxyMetrics
 from proxy.overlap_policy import OverlapPolicy
 from proxy.plain_runs import PlainRunGate
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
+from proxy.server_text import PieceCache, TokenEvent
 from proxy.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)

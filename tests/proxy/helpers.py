@@ -12,7 +12,8 @@ import aiohttp
 
 from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP, top2_gap
 from proxy.drafting import AsyncDrafter, GreedyDraft, StopRule
-from proxy.engine import Generation, GenerationParams, GenerationResult, PieceCache, RoundRecord
+from proxy.engine import Generation, GenerationParams, GenerationResult, RoundRecord
+from proxy.server_text import PieceCache
 from proxy.upstream import UpstreamClient
 
 

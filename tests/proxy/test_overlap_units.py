@@ -428,7 +428,8 @@ class ScriptSession(CountingSession):
 
 
 async def _run_engine(early: bool, overlap: bool, consumer_sleep_s: float = 0.0):
-    from proxy.engine import Generation, GenerationParams, PieceCache
+    from proxy.engine import Generation, GenerationParams
+    from proxy.server_text import PieceCache
     from tests.proxy.test_units import FakeUpstream
 
     script = list(range(100, 140))
@@ -556,9 +557,10 @@ async def test_round_timeline_adds_up_and_sees_the_drafter_work_during_verificat
     """Verify takes 30 ms; the drafter 8 ms a token. Without drafting ahead the drafter
     idles through every verification; with it (4 tokens = 32 ms to draft ahead) it is
     busy for nearly all of it. The server's idle gap holds the round's draft wait."""
-    from proxy.engine import Generation, GenerationParams, PieceCache
+    from proxy.engine import Generation, GenerationParams
     from proxy.metrics import ProxyMetrics
     from proxy.overlap_policy import OverlapPolicy
+    from proxy.server_text import PieceCache
     from tests.proxy.test_units import FakeUpstream
 
     class SlowUpstream(FakeUpstream):

@@ -39,7 +39,8 @@ import pytest
 from npu_draft.protocol import Draft, SamplingParams, SparseDist
 from npu_draft.sampling import sampling_distribution
 from proxy.api.requests import parse_completion
-from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams, PieceCache
+from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams
+from proxy.server_text import PieceCache
 from proxy.upstream import SamplingSpec, UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import post_json, tokenize

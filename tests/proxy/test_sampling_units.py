@@ -8,8 +8,9 @@ import pytest
 
 from npu_draft.protocol import Draft, SparseDist
 from proxy.api.requests import NotEligible, parse_chat, parse_completion
-from proxy.engine import Generation, GenerationParams, PieceCache, verdict_of
+from proxy.engine import Generation, GenerationParams, verdict_of
 from proxy.metrics import ProxyMetrics
+from proxy.server_text import PieceCache
 from proxy.upstream import (
     MAX_VERIFY_TOP_K,
     SamplingSpec,

@@ -11,17 +11,11 @@ from proxy.acceptance import greedy_accept
 from proxy.api.requests import NotEligible, parse_chat, parse_completion, parse_prompt
 from proxy.api.shapes import split_reasoning, thinking_prefix
 from proxy.config import ProxySettings, load_settings
-from proxy.engine import (
-    Generation,
-    GenerationParams,
-    PieceCache,
-    ServerTextState,
-    find_partial_stop,
-    valid_utf8_prefix,
-)
+from proxy.engine import Generation, GenerationParams
 from proxy.managed import ServerLayout, verification_flags
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SchedulerBusy, SlotScheduler
+from proxy.server_text import PieceCache, ServerTextState, find_partial_stop, valid_utf8_prefix
 from proxy.upstream import VerifyResult, parse_prometheus
 
 # -- acceptance ----------------------------------------------------------------------
