@@ -30,7 +30,7 @@ from proxy.acceptance import (
     normalized,
     speculative_sample,
 )
-from proxy.adaptive_k import DraftLengthPolicy, RoundCosts
+from proxy.draft_length import DraftLengthPolicy, RoundCosts
 from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, Branch, GreedyDraft
 from proxy.overlap_policy import OverlapPolicy
 from proxy.plain_runs import PlainRunGate
@@ -57,7 +57,7 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     k: int = 4  # the most drafts a round may verify
     sampling: SamplingSpec | None = None  # None: greedy
-    adaptive: bool = True  # greedy: choose each round's length (proxy.adaptive_k)
+    adaptive: bool = True  # greedy: choose each round's length (proxy.draft_length)
     overlap: bool = True  # greedy: may draft while the server verifies (OverlapPolicy decides)
     predraft: bool = False  # greedy: drafting ahead also follows the likeliest runner-up
     # greedy: start the next round's draft as soon as the verify result is known, behind

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from npu_draft.oracle import OracleConfig, OracleDraftModel
-from proxy.adaptive_k import DraftLengthPolicy
+from proxy.draft_length import DraftLengthPolicy
 from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams
 from proxy.overlap_policy import OverlapPolicy
 from proxy.server_text import PieceCache

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from npu_draft.protocol import GREEDY, CancelToken, Draft, SamplingParams, SyncStats
-from proxy.adaptive_k import DraftLengthPolicy, RoundCosts
+from proxy.draft_length import DraftLengthPolicy, RoundCosts
 from proxy.drafting import AsyncSessionDrafter, always
 
 
