@@ -175,8 +175,10 @@ class DecodeCountError(AssertionError):
 
 
 class SlotReplicator:
-    """Cold start without k+1 prefills (DESIGN.md §2): after a first plain round
-    prefilled one slot, save that slot server-side and restore it into k idle slots.
+    """Cold start without k+1 prefills: after a first plain round prefilled one slot,
+    save that slot server-side and restore it into k idle slots (a save and a restore
+    cost far less than a prefill; docs/BENCHMARKS.md, "Measurements behind design
+    choices").
 
     Only speed depends on it: a failed or skipped copy means those slots prefill in
     the next verify batch, exactly as without replication.
@@ -542,9 +544,10 @@ class Generation:
                 else:
                     k_main = k
                 # While plain runs are the cheaper side, a new request starts with one
-                # slot and no copies: copying a long context costs more (14B f16 at 4k
-                # tokens: 0.67 GB a slot, ~1.3 s for six) than a later probe of
-                # speculation pays to catch up the few slots it uses.
+                # slot and no copies: copying a long context costs more (a slot holds the
+                # whole context's KV; docs/BENCHMARKS.md, "Measurements behind design
+                # choices") than a later probe of speculation pays to catch up the few
+                # slots it uses.
                 first_draft = not rounds and self.drafter is not None
                 plain_first = (
                     first_draft and self.plain_runs is not None and self.plain_runs.prefers_plain()
