@@ -276,14 +276,10 @@ class Generation:
                 assert rng is not None
                 tokens, dists = await _propose_sampled(self.drafter, committed, k, sampling, rng)
                 draft = GreedyDraft(tokens=tokens)
-            elif (draft_fn := getattr(self.drafter, "draft", None)) is not None:
-                if k_fresh is not None and k_fresh < k:
-                    draft = await draft_fn(committed, k, self.policy.worth, k_fresh)
-                else:
-                    draft = await draft_fn(committed, k, self.policy.worth)
-            else:  # a drafter that only proposes: fixed length, no probabilities
-                fresh = k if k_fresh is None else min(k, k_fresh)
-                draft = GreedyDraft(tokens=list(await self.drafter.propose(committed, fresh)))
+            elif k_fresh is not None and k_fresh < k:
+                draft = await self.drafter.draft(committed, k, self.policy.worth, k_fresh)
+            else:
+                draft = await self.drafter.draft(committed, k, self.policy.worth)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -295,7 +291,7 @@ class Generation:
     def _start_early_draft(self, committed: list[int], k: int, k_fresh: int) -> None:
         """Draft the next round now (after `committed`, up to k), while the proxy
         commits this round's tokens; `_take_draft` picks it up."""
-        if k <= 0 or self.drafter is None or getattr(self.drafter, "draft", None) is None:
+        if k <= 0 or self.drafter is None or not self.drafter.early_draft:
             return
         task = asyncio.create_task(self._draft(committed, k, k_fresh=k_fresh))
         self._early = (committed, k, k_fresh, task)
@@ -331,8 +327,8 @@ class Generation:
         It uses the round's spare slots (k+1 prompts in all) and is kept only as long
         as the draft-length policy says its prompts repay their verify cost."""
         room = min(self.params.branch_prompts, k - len(drafted.tokens))
-        branch_fn = getattr(self.drafter, "branch", None)
-        if room <= 0 or branch_fn is None or not any(drafted.alternatives):
+        drafter = self.drafter
+        if room <= 0 or drafter is None or not any(drafted.alternatives):
             return None, 0.0
         # Ask before drafting the branch's continuation (it costs a re-sync and a step
         # of the drafter): position 0, the likeliest under the measured rates, bounds it.
@@ -341,7 +337,7 @@ class Generation:
             return None, 0.0
         started = time.perf_counter()
         try:
-            branch = await branch_fn(len(drafted.tokens) + 1, room)
+            branch = await drafter.branch(len(drafted.tokens) + 1, room)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -366,7 +362,7 @@ class Generation:
 
     def _ahead_expected(self) -> bool:
         """Whether rounds draft ahead as things stand (what the draft length assumes)."""
-        if not self.params.overlap or getattr(self.drafter, "extend", None) is None:
+        if not self.params.overlap or self.drafter is None or not self.drafter.draft_ahead:
             return False
         policy = self.overlap_policy
         return policy.mode == "on" or (policy.mode == "auto" and policy.best())
@@ -375,8 +371,10 @@ class Generation:
         """While the server verifies, keep drafting the line as if all is accepted.
         Whether to is the overlap policy's measured choice; returns that choice, or
         False where drafting ahead is off or the drafter cannot."""
-        extend = getattr(self.drafter, "extend", None)
-        if not self.params.overlap or extend is None or not self.overlap_policy.choose():
+        drafter = self.drafter
+        if not self.params.overlap or drafter is None or not drafter.draft_ahead:
+            return False
+        if not self.overlap_policy.choose():
             return False
         self._ahead_cancel = cancel = CancelToken()
         started = time.perf_counter()
@@ -385,7 +383,7 @@ class Generation:
         async def run() -> None:
             try:
                 # the bonus guess and the next round's drafts
-                await extend(self.policy.length(True) + 1, cancel, self.params.predraft)
+                await drafter.extend(self.policy.length(True) + 1, cancel, self.params.predraft)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -760,13 +758,10 @@ async def _propose_sampled(
     sampling: SamplingParams,
     rng: np.random.Generator,
 ) -> tuple[list[int], list[SparseDist | None]]:
-    """Draft tokens and their q. A drafter without `propose_sampled` gives no q: the
-    rule then uses the point mass at each token, which is exact for any proposal."""
-    propose = getattr(drafter, "propose_sampled", None)
-    if propose is None:
-        tokens = [int(t) for t in await drafter.propose(committed, k)][:k]
-        return tokens, [None] * len(tokens)
-    draft: Draft = await propose(committed, k, sampling, rng)
+    """Draft tokens and their q. A drafter without q (`DrafterBase.propose_sampled`)
+    gives None: the rule then uses the point mass at each token, which is exact for
+    any proposal."""
+    draft: Draft = await drafter.propose_sampled(committed, k, sampling, rng)
     tokens = [int(t) for t in draft.tokens][:k]
     dists: list[SparseDist | None] = list(draft.dists or [])[: len(tokens)]
     return tokens, dists + [None] * (len(tokens) - len(dists))
