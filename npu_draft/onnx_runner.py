@@ -5,7 +5,7 @@ Each session preallocates ONE buffer per layer for keys and one for values, shap
 `present.N.*`. GroupQueryAttention (com.microsoft) writes the new positions in place
 and reads only the first `len(attention_mask)` of them, so the cache never moves:
 rolling back is just a shorter attention mask, and re-sync costs only the new tokens.
-(Copying the cache every step doubled per-token time at 900 tokens on 2 CPU cores.)
+(Copying the cache every step doubled the per-token time; docs/BENCHMARKS.md.)
 
 Graphs from `onnxruntime_genai.models.builder` (what `npu-spec export-drafter`
 writes) have this shape; a graph whose attention concatenates past and present

@@ -10,7 +10,7 @@ per-token drafting time are chosen, not measured.
 Corruption is a pure function of (seed, reference, position in the continuation),
 so a run is repeatable and a position drafted twice gets the same verdict. Per
 position the verdicts are independent Bernoulli(acceptance) draws, which is exactly
-the i.i.d. acceptance the cost model of DESIGN.md section 4 assumes.
+the i.i.d. acceptance the cost model (proxy/bench/costmodel.py) assumes.
 
 Off the reference path (a prompt it does not know, or a committed sequence that left
 the recorded continuation) it proposes nothing: the proxy then decodes plainly. Its

@@ -71,7 +71,7 @@ CPU = ProviderChoice("cpu")
 def default_threads() -> int:
     """CPU threads for ONNX Runtime: the cores this process may use. ORT's own default
     counts the host's physical cores, which oversubscribes a container or a pinned
-    process (measured: 15-20 ms per token instead of 10 on a 2-core slice)."""
+    process (up to twice the time per token on a 2-core slice; docs/BENCHMARKS.md)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux

@@ -13,7 +13,7 @@ import numpy as np
 from npu_draft.protocol import Draft, SamplingParams, SparseDist
 
 # top_p needs the candidates sorted by logit; sorting the whole 152k vocabulary
-# costs ~10 ms, so look at the best few thousand first and sort more only if the
+# is slow (docs/BENCHMARKS.md), so look at the best few thousand first and sort more only if the
 # nucleus is wider than that.
 _NUCLEUS_FIRST_LOOK = 4096
 

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from npu_draft.protocol import CancelToken
-from proxy.drafting import AsyncDrafter, Branch, GreedyDraft, StopRule
+from proxy.drafting import AsyncDrafter, Branch, DrafterBase, GreedyDraft, StopRule
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,14 @@ class DrafterGarbage(Exception):
     whole verify batch with 400)."""
 
 
-class GuardedDrafter:
-    """One session: proposals bounded in time; a failure is reported once."""
+class GuardedDrafter(DrafterBase):
+    """One session: proposals bounded in time; a failure is reported once.
+
+    It offers every call, so the engine plans early drafts and drafting ahead with
+    it; the inner drafter's own methods (or `DrafterBase`'s defaults) answer them."""
+
+    early_draft = True
+    draft_ahead = True
 
     def __init__(self, inner: AsyncDrafter, supervisor: DrafterSupervisor) -> None:
         self._inner = inner
@@ -46,42 +52,35 @@ class GuardedDrafter:
     async def draft(
         self, committed: Sequence[int], k_max: int, worth: StopRule, k_fresh: int | None = None
     ) -> GreedyDraft:
-        inner = getattr(self._inner, "draft", None)
-        if inner is None:
-            fresh = k_max if k_fresh is None else min(k_max, k_fresh)
-            return GreedyDraft(tokens=await self.propose(committed, fresh))
-        call = inner(committed, k_max, worth) if k_fresh is None else (
-            inner(committed, k_max, worth, k_fresh)
+        inner = self._inner
+        call = inner.draft(committed, k_max, worth) if k_fresh is None else (
+            inner.draft(committed, k_max, worth, k_fresh)
         )  # fmt: skip
         return await self._bounded(call, k_max, lambda d: d.tokens)
 
     async def extend(self, n_max: int, cancel: CancelToken, predraft: bool = False) -> int:
-        """Drafting ahead; its tokens are checked when a later `draft` hands them out."""
-        inner = getattr(self._inner, "extend", None)
-        if inner is None:
+        """Drafting ahead; its tokens are checked when a later `draft` hands them out.
+        An inner drafter that does not draft ahead is not asked (nothing to bound)."""
+        if not self._inner.draft_ahead:
             return 0
-        return await self._bounded(inner(n_max, cancel, predraft), n_max, lambda _made: [])
+        call = self._inner.extend(n_max, cancel, predraft)
+        return await self._bounded(call, n_max, lambda _made: [])
 
     async def branch(self, n_positions: int, n_tokens: int) -> Branch | None:
         """A runner-up's line to verify beside the draft (None where the drafter has none)."""
-        inner = getattr(self._inner, "branch", None)
-        if inner is None:
-            return None
         return await self._bounded(
-            inner(n_positions, n_tokens), n_tokens, lambda b: [] if b is None else b.tokens
+            self._inner.branch(n_positions, n_tokens),
+            n_tokens,
+            lambda b: [] if b is None else b.tokens,
         )
 
     async def propose_sampled(
         self, committed: Sequence[int], k: int, sampling: Any, rng: Any
     ) -> Any:
         """Sampling mode (npu_draft Draft with q); same bound and failure reporting.
-        An inner drafter without it gives plain tokens (the engine's point-mass rule)."""
-        from npu_draft.protocol import Draft
-
-        inner = getattr(self._inner, "propose_sampled", None)
-        if inner is None:
-            return Draft(tokens=await self.propose(committed, k))
-        return await self._bounded(inner(committed, k, sampling, rng), k, lambda d: d.tokens)
+        An inner drafter without q gives plain tokens (the engine's point-mass rule)."""
+        call = self._inner.propose_sampled(committed, k, sampling, rng)
+        return await self._bounded(call, k, lambda d: d.tokens)
 
     async def _bounded(
         self, proposal: Awaitable[Any], k: int, tokens_of: Callable[[Any], list[int]]

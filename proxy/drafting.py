@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -67,10 +68,76 @@ class Branch:
 
 
 class AsyncDrafter(Protocol):
-    """What the engine needs from a draft session: propose after a committed sequence."""
+    """Every call the engine and the drafter guard make on a draft session.
 
+    A backend that only proposes inherits the rest from `DrafterBase`. The two flags
+    say what the engine may plan on: `early_draft`, drafting the next round (through
+    `draft`) while it commits this one; `draft_ahead`, calling `extend` while the
+    server verifies (the draft length and the overlap policy count on it).
+    """
+
+    early_draft: bool
+    draft_ahead: bool
+
+    async def propose(self, committed: Sequence[int], k: int) -> list[int]:
+        """Up to k greedy draft tokens after `committed`."""
+        ...
+
+    async def draft(
+        self, committed: Sequence[int], k_max: int, worth: StopRule, k_fresh: int | None = None
+    ) -> GreedyDraft:
+        """Up to k_max tokens after `committed`, stopping where `worth` says; at most
+        `k_fresh` where none was drafted ahead."""
+        ...
+
+    async def extend(self, n_max: int, cancel: CancelToken, predraft: bool = False) -> int:
+        """Draft up to n_max more tokens while the server verifies; returns how many."""
+        ...
+
+    async def branch(self, n_positions: int, n_tokens: int) -> Branch | None:
+        """A runner-up's line to verify beside the last draft, or None."""
+        ...
+
+    async def propose_sampled(
+        self, committed: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator
+    ) -> Draft:
+        """Sampling mode: k tokens drawn from the draft's q, with q where it has one."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class DrafterBase(ABC):
+    """The defaults of `AsyncDrafter` for a backend (or a test double) that only
+    proposes: `draft` is a fixed-length `propose` without probabilities, nothing is
+    drafted ahead or early, no branch, and sampling mode gets plain tokens without q
+    (the acceptance rule then uses the point mass at each token, exact for any
+    proposal)."""
+
+    early_draft = False
+    draft_ahead = False
+
+    @abstractmethod
     async def propose(self, committed: Sequence[int], k: int) -> list[int]: ...
 
+    async def draft(
+        self, committed: Sequence[int], k_max: int, worth: StopRule, k_fresh: int | None = None
+    ) -> GreedyDraft:
+        fresh = k_max if k_fresh is None else min(k_max, k_fresh)
+        return GreedyDraft(tokens=list(await self.propose(committed, fresh)))
+
+    async def extend(self, n_max: int, cancel: CancelToken, predraft: bool = False) -> int:
+        return 0
+
+    async def branch(self, n_positions: int, n_tokens: int) -> Branch | None:
+        return None
+
+    async def propose_sampled(
+        self, committed: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator
+    ) -> Draft:
+        return Draft(tokens=list(await self.propose(committed, k)))
+
+    @abstractmethod
     async def close(self) -> None: ...
 
 
@@ -179,9 +246,12 @@ def _same(have: Sequence[int], committed: Sequence[int], start: int) -> bool:
     return bool(np.array_equal(a, b))
 
 
-class AsyncSessionDrafter:
+class AsyncSessionDrafter(DrafterBase):
     """Adapts `npu_draft.async_session.AsyncDraftSession` (one worker thread per
     session, cancellable between tokens) to what the engine calls."""
+
+    early_draft = True
+    draft_ahead = True
 
     def __init__(self, session: DraftSession, name: str = "draft") -> None:
         from npu_draft.async_session import AsyncDraftSession
@@ -304,4 +374,12 @@ class AsyncSessionDrafter:
         await self._session.close()
 
 
-__all__ = ["AsyncDrafter", "AsyncSessionDrafter", "Branch", "GreedyDraft", "StopRule", "always"]
+__all__ = [
+    "AsyncDrafter",
+    "AsyncSessionDrafter",
+    "Branch",
+    "DrafterBase",
+    "GreedyDraft",
+    "StopRule",
+    "always",
+]

@@ -4,9 +4,8 @@ The engine knows nothing of HTTP routes. It takes prompt token ids and the few
 request parameters it can honour losslessly (n_predict, stop strings, and in
 sampling mode temperature/top_k/top_p/min_p/seed), and yields
 one `TokenEvent` per generated token exactly as llama-server's `process_token`
-would emit it, then a `GenerationResult`. `ServerTextState` mirrors the server's
-text bookkeeping (UTF-8 hold-back, stop strings across token boundaries, limits) so
-the proxy stops on the same token and returns the same text.
+would emit it, then a `GenerationResult`. The server's text bookkeeping (UTF-8
+hold-back, stop strings, limits) is mirrored in `proxy.server_text`.
 """
 
 from __future__ import annotations
@@ -31,10 +30,11 @@ from proxy.acceptance import (
     normalized,
     speculative_sample,
 )
-from proxy.adaptive_k import DraftLengthPolicy, RoundCosts
+from proxy.draft_length import DraftLengthPolicy, RoundCosts
 from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, Branch, GreedyDraft
 from proxy.overlap_policy import OverlapPolicy
 from proxy.plain_runs import PlainRunGate
+from proxy.server_text import PieceCache, ServerTextState, TokenEvent, valid_utf8_prefix
 from proxy.upstream import (
     SamplingSpec,
     UpstreamClient,
@@ -48,135 +48,6 @@ log = logging.getLogger(__name__)
 __all__ = ["AsyncDrafter", "AsyncSessionDrafter", "Generation", "GenerationParams"]
 
 
-# -- text bookkeeping, mirroring tools/server/server-context.cpp process_token ----
-
-
-def valid_utf8_prefix(data: bytes) -> int:
-    """Length of the longest prefix that does not end inside a UTF-8 sequence.
-
-    Same rule as llama.cpp's `validate_utf8`: only an incomplete multi-byte sequence
-    at the very end is cut; invalid bytes elsewhere are left alone.
-    """
-    n = len(data)
-    for back in range(1, min(4, n) + 1):
-        byte = data[n - back]
-        if back == 1 and byte & 0x80 == 0:
-            return n
-        if byte & 0xC0 == 0xC0:  # a lead byte: does its sequence fit?
-            need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4
-            return n if back >= need else n - back
-        if byte & 0xC0 != 0x80:
-            return n
-    return n
-
-
-def find_partial_stop(text: bytes, stop: bytes) -> int:
-    """Start of the longest suffix of `text` that is a prefix of `stop`, else -1."""
-    if not text or not stop:
-        return -1
-    last = text[-1]
-    for length in range(min(len(text), len(stop)), 0, -1):
-        if stop[length - 1] == last and text.endswith(stop[:length]):
-            return len(text) - length
-    return -1
-
-
-@dataclass
-class TokenEvent:
-    """What the server would send for one generated token.
-
-    `sent` is False for a token that ends inside a UTF-8 character: the server
-    emits no stream chunk for it. `text` is the newly releasable text (b"" while a
-    possible stop string is held back).
-    """
-
-    token: int
-    text: bytes
-    sent: bool
-    n_decoded: int
-    stopped_by_word: bool = False
-
-
-class ServerTextState:
-    """llama-server's per-slot generated-text state, token by token."""
-
-    def __init__(self, stop_words: Sequence[str], n_prompt: int, n_ctx: int, n_predict: int):
-        self.stop_words = [w.encode("utf-8") for w in stop_words]
-        self.stop_strings = list(stop_words)
-        self.n_prompt = n_prompt
-        self.n_ctx = n_ctx
-        self.n_predict = n_predict  # -1: unlimited
-        self.generated = bytearray()
-        self.tokens: list[int] = []
-        self.n_sent = 0
-        self.stop_type = "none"
-        self.stopping_word = ""
-        self.truncated = False
-        self.has_new_line = False
-        self.finished = False
-
-    def _find_stop(self, text: bytes, last_token_size: int, full: bool) -> int:
-        best = -1
-        for word, word_str in zip(self.stop_words, self.stop_strings, strict=True):
-            if full:
-                tmp = len(word) + last_token_size
-                pos = text.find(word, max(0, len(text) - tmp))
-            else:
-                pos = find_partial_stop(text, word)
-            if pos != -1 and (best == -1 or pos < best):
-                if full:
-                    self.stop_type = "word"
-                    self.stopping_word = word_str
-                    self.finished = True
-                best = pos
-        return best
-
-    def push(self, token: int, piece: bytes, is_eog: bool) -> TokenEvent:
-        if self.finished:
-            raise RuntimeError("generation already finished")
-        self.generated += piece
-        self.tokens.append(token)
-        event = TokenEvent(token=token, text=b"", sent=False, n_decoded=len(self.tokens))
-        incomplete = valid_utf8_prefix(bytes(self.generated)) < len(self.generated)
-        if not incomplete:
-            pos = min(self.n_sent, len(self.generated))
-            test = bytes(self.generated[pos:])
-            send_text = True
-            stop_pos = self._find_stop(test, len(piece), full=True)
-            if stop_pos != -1:
-                del self.generated[pos + stop_pos :]
-                pos = min(self.n_sent, len(self.generated))
-                event.stopped_by_word = True
-            elif not is_eog:
-                send_text = self._find_stop(test, len(piece), full=False) == -1
-            if send_text:
-                event.text = bytes(self.generated[pos:])
-                self.n_sent += len(event.text)
-            event.sent = True
-        # Context limit (context shift off): the slot's cache holds the prompt and every
-        # generated token but this one.
-        if self.n_prompt + len(self.tokens) >= self.n_ctx:
-            self.truncated = True
-            self.stop_type = "limit"
-            self.finished = True
-        if not self.finished and self.n_predict != -1 and self.n_predict - len(self.tokens) <= 0:
-            self.stop_type = "limit"
-            self.finished = True
-        if b"\n" in event.text:
-            self.has_new_line = True
-        if is_eog:
-            self.stop_type = "eos"
-            self.finished = True
-        return event
-
-    def remaining(self) -> int | None:
-        """Tokens still allowed by n_predict and the context, None when unlimited."""
-        limits = [self.n_ctx - self.n_prompt - len(self.tokens)]
-        if self.n_predict != -1:
-            limits.append(self.n_predict - len(self.tokens))
-        return min(limits)
-
-
 # -- the loop --------------------------------------------------------------------
 
 
@@ -186,7 +57,7 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     k: int = 4  # the most drafts a round may verify
     sampling: SamplingSpec | None = None  # None: greedy
-    adaptive: bool = True  # greedy: choose each round's length (proxy.adaptive_k)
+    adaptive: bool = True  # greedy: choose each round's length (proxy.draft_length)
     overlap: bool = True  # greedy: may draft while the server verifies (OverlapPolicy decides)
     predraft: bool = False  # greedy: drafting ahead also follows the likeliest runner-up
     # greedy: start the next round's draft as soon as the verify result is known, behind
@@ -304,8 +175,10 @@ class DecodeCountError(AssertionError):
 
 
 class SlotReplicator:
-    """Cold start without k+1 prefills (DESIGN.md §2): after a first plain round
-    prefilled one slot, save that slot server-side and restore it into k idle slots.
+    """Cold start without k+1 prefills: after a first plain round prefilled one slot,
+    save that slot server-side and restore it into k idle slots (a save and a restore
+    cost far less than a prefill; docs/BENCHMARKS.md, "Measurements behind design
+    choices").
 
     Only speed depends on it: a failed or skipped copy means those slots prefill in
     the next verify batch, exactly as without replication.
@@ -336,81 +209,6 @@ class SlotReplicator:
             self.available = False
             log.warning("slot save/restore unavailable (%s); prefilling in the batch", exc)
             return 0
-
-
-def _complete_prefix(data: bytes) -> bytes:
-    """`data` without a trailing UTF-8 sequence that the next bytes may still complete."""
-    for back in range(1, min(4, len(data)) + 1):
-        lead = data[-back]
-        if lead & 0xC0 != 0x80:  # not a continuation byte
-            need = 1 if lead < 0x80 else 2 if lead >> 5 == 6 else 3 if lead >> 4 == 14 else 4
-            return data[:-back] if need > back and lead >> 3 != 31 else data
-    return data
-
-
-def _renders_as_prefix(data: bytes, text: str) -> bool:
-    return text.startswith(_complete_prefix(data).decode("utf-8", errors="replace"))
-
-
-def align_pieces(pieces: Sequence[bytes], text: str) -> list[bytes]:
-    """The bytes each token added to the server's generated `text`.
-
-    `pieces` are exact token pieces as `/tokenize` gives them, control tokens (EOG
-    included) spelled out; the generation renders those as nothing. The server's text
-    has U+FFFD wherever the bytes are not valid UTF-8, so it is compared as decoded.
-    """
-    out: list[bytes] = []
-    data = b""
-    for piece in pieces:
-        if _renders_as_prefix(data + piece, text) or not piece:
-            data += piece
-            out.append(piece)
-        elif valid_utf8_prefix(piece) == len(piece) and _renders_as_prefix(data, text):
-            out.append(b"")  # a control token: whole text the generation leaves out
-        else:
-            data += piece
-            out.append(piece)
-    if data.decode("utf-8", errors="replace") != text:
-        log.warning("plain run: token pieces do not spell the server's text; kept as is")
-    return out
-
-
-class PieceCache:
-    """Exact bytes of token pieces; the verify result's text is lossy only for
-    tokens that end inside a UTF-8 character, and those are looked up once.
-    Sampling mode also needs to know which tokens end generation (EOG)."""
-
-    def __init__(self, upstream: UpstreamClient) -> None:
-        self._upstream = upstream
-        self._exact: dict[int, bytes] = {}
-        self._eog: frozenset[int] | None = None
-
-    async def eog_tokens(self) -> frozenset[int]:
-        """The server's end-of-generation ids, asked once per process."""
-        if self._eog is None:
-            self._eog = await self._upstream.eog_tokens()
-        return self._eog
-
-    async def token_piece(self, token: int) -> bytes:
-        cached = self._exact.get(token)
-        if cached is None:
-            cached = await self._upstream.token_bytes(token)
-            self._exact[token] = cached
-        return cached
-
-    async def run_pieces(self, tokens: Sequence[int], text: str) -> list[bytes]:
-        """What each token of a plain run added to the server's `text`; the pieces not
-        known yet are looked up in one request."""
-        unknown = sorted({t for t in tokens if t not in self._exact})
-        if unknown:
-            pieces = await self._upstream.tokens_bytes(unknown)
-            self._exact.update(zip(unknown, pieces, strict=True))
-        return align_pieces([self._exact[t] for t in tokens], text)
-
-    async def piece(self, result: VerifyResult) -> bytes:
-        if "\ufffd" not in result.piece:
-            return result.piece.encode("utf-8")
-        return await self.token_piece(result.token)
 
 
 class Generation:
@@ -478,14 +276,10 @@ class Generation:
                 assert rng is not None
                 tokens, dists = await _propose_sampled(self.drafter, committed, k, sampling, rng)
                 draft = GreedyDraft(tokens=tokens)
-            elif (draft_fn := getattr(self.drafter, "draft", None)) is not None:
-                if k_fresh is not None and k_fresh < k:
-                    draft = await draft_fn(committed, k, self.policy.worth, k_fresh)
-                else:
-                    draft = await draft_fn(committed, k, self.policy.worth)
-            else:  # a drafter that only proposes: fixed length, no probabilities
-                fresh = k if k_fresh is None else min(k, k_fresh)
-                draft = GreedyDraft(tokens=list(await self.drafter.propose(committed, fresh)))
+            elif k_fresh is not None and k_fresh < k:
+                draft = await self.drafter.draft(committed, k, self.policy.worth, k_fresh)
+            else:
+                draft = await self.drafter.draft(committed, k, self.policy.worth)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -497,7 +291,7 @@ class Generation:
     def _start_early_draft(self, committed: list[int], k: int, k_fresh: int) -> None:
         """Draft the next round now (after `committed`, up to k), while the proxy
         commits this round's tokens; `_take_draft` picks it up."""
-        if k <= 0 or self.drafter is None or getattr(self.drafter, "draft", None) is None:
+        if k <= 0 or self.drafter is None or not self.drafter.early_draft:
             return
         task = asyncio.create_task(self._draft(committed, k, k_fresh=k_fresh))
         self._early = (committed, k, k_fresh, task)
@@ -533,8 +327,8 @@ class Generation:
         It uses the round's spare slots (k+1 prompts in all) and is kept only as long
         as the draft-length policy says its prompts repay their verify cost."""
         room = min(self.params.branch_prompts, k - len(drafted.tokens))
-        branch_fn = getattr(self.drafter, "branch", None)
-        if room <= 0 or branch_fn is None or not any(drafted.alternatives):
+        drafter = self.drafter
+        if room <= 0 or drafter is None or not any(drafted.alternatives):
             return None, 0.0
         # Ask before drafting the branch's continuation (it costs a re-sync and a step
         # of the drafter): position 0, the likeliest under the measured rates, bounds it.
@@ -543,7 +337,7 @@ class Generation:
             return None, 0.0
         started = time.perf_counter()
         try:
-            branch = await branch_fn(len(drafted.tokens) + 1, room)
+            branch = await drafter.branch(len(drafted.tokens) + 1, room)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -568,7 +362,7 @@ class Generation:
 
     def _ahead_expected(self) -> bool:
         """Whether rounds draft ahead as things stand (what the draft length assumes)."""
-        if not self.params.overlap or getattr(self.drafter, "extend", None) is None:
+        if not self.params.overlap or self.drafter is None or not self.drafter.draft_ahead:
             return False
         policy = self.overlap_policy
         return policy.mode == "on" or (policy.mode == "auto" and policy.best())
@@ -577,8 +371,10 @@ class Generation:
         """While the server verifies, keep drafting the line as if all is accepted.
         Whether to is the overlap policy's measured choice; returns that choice, or
         False where drafting ahead is off or the drafter cannot."""
-        extend = getattr(self.drafter, "extend", None)
-        if not self.params.overlap or extend is None or not self.overlap_policy.choose():
+        drafter = self.drafter
+        if not self.params.overlap or drafter is None or not drafter.draft_ahead:
+            return False
+        if not self.overlap_policy.choose():
             return False
         self._ahead_cancel = cancel = CancelToken()
         started = time.perf_counter()
@@ -587,7 +383,7 @@ class Generation:
         async def run() -> None:
             try:
                 # the bonus guess and the next round's drafts
-                await extend(self.policy.length(True) + 1, cancel, self.params.predraft)
+                await drafter.extend(self.policy.length(True) + 1, cancel, self.params.predraft)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -746,9 +542,10 @@ class Generation:
                 else:
                     k_main = k
                 # While plain runs are the cheaper side, a new request starts with one
-                # slot and no copies: copying a long context costs more (14B f16 at 4k
-                # tokens: 0.67 GB a slot, ~1.3 s for six) than a later probe of
-                # speculation pays to catch up the few slots it uses.
+                # slot and no copies: copying a long context costs more (a slot holds the
+                # whole context's KV; docs/BENCHMARKS.md, "Measurements behind design
+                # choices") than a later probe of speculation pays to catch up the few
+                # slots it uses.
                 first_draft = not rounds and self.drafter is not None
                 plain_first = (
                     first_draft and self.plain_runs is not None and self.plain_runs.prefers_plain()
@@ -961,13 +758,10 @@ async def _propose_sampled(
     sampling: SamplingParams,
     rng: np.random.Generator,
 ) -> tuple[list[int], list[SparseDist | None]]:
-    """Draft tokens and their q. A drafter without `propose_sampled` gives no q: the
-    rule then uses the point mass at each token, which is exact for any proposal."""
-    propose = getattr(drafter, "propose_sampled", None)
-    if propose is None:
-        tokens = [int(t) for t in await drafter.propose(committed, k)][:k]
-        return tokens, [None] * len(tokens)
-    draft: Draft = await propose(committed, k, sampling, rng)
+    """Draft tokens and their q. A drafter without q (`DrafterBase.propose_sampled`)
+    gives None: the rule then uses the point mass at each token, which is exact for
+    any proposal."""
+    draft: Draft = await drafter.propose_sampled(committed, k, sampling, rng)
     tokens = [int(t) for t in draft.tokens][:k]
     dists: list[SparseDist | None] = list(draft.dists or [])[: len(tokens)]
     return tokens, dists + [None] * (len(tokens) - len(dists))

@@ -1,7 +1,7 @@
 """What verification costs in KV memory: the llama-server flags for a model, k and
 context, and the KV cache they allocate, read from the GGUF's own metadata.
 
-Every conversation holds k+1 slots, each able to hold the whole context (DESIGN.md §2),
+Every conversation holds k+1 slots, each able to hold the whole context (docs/QUICKSTART.md §3),
 plus the pass-through slots; llama.cpp allocates, per cell and per layer, K and V rows
 of kv_heads x head_dim values in the cache types (f16 unless -ctk/-ctv say otherwise).
 """

@@ -1,4 +1,7 @@
-"""Managed mode: start llama-server with the flags verification needs (DESIGN.md §2)."""
+"""Managed mode: start llama-server with the flags verification needs.
+
+The flags and why each is needed: README, "Running the proxy".
+"""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 Drafting ahead saves the next round's drafting when the whole block (and the bonus
 guess) is accepted. It costs nothing where the drafter has a processor of its own
 (an NPU, or a CPU while the target runs on a GPU), but where drafter and server share
-CPU cores it slows the verification it overlaps (measured on 2 cores: 36 -> 50 ms per
-verify round). So the proxy measures both sides as it serves:
+CPU cores it slows the verification it overlaps (by over a third on 2 cores;
+docs/BENCHMARKS.md, "Measurements behind design choices"). So the proxy measures both
+sides as it serves:
 
 - the saving, in the round after one that drafted ahead: what drafting its tokens
   fresh would have cost (tokens x the per-token drafting time measured after rounds

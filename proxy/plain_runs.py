@@ -1,13 +1,12 @@
 """Speculate or let the server decode alone: whichever the measurements say is faster.
 
-Through the stock HTTP API a verify round costs about two plain decode steps on a GPU
-(H200, 14B target at 512 tokens: 16-25 ms for k = 1-6 against 9.1 ms per plain token;
-at 4k tokens 25-54 ms against 9.9). With a drafter that is slow or often wrong, every
-round the proxy sends loses to llama-server's own decoding loop, so the proxy would be
-slower than the server it fronts. A *plain run* asks the server for `run_tokens`
-tokens of the same context in one request (its own loop, one decode per token):
-lossless, since that is exactly what llama-server alone would write (greedy), or draw
-(sampling, with the request's chain).
+Through the stock HTTP API a verify round costs about two plain decode steps on a GPU,
+more at long contexts (docs/BENCHMARKS.md, "Summary"). With a drafter that is slow or
+often wrong, every round the proxy sends loses to llama-server's own decoding loop, so
+the proxy would be slower than the server it fronts. A *plain run* asks the server for
+`run_tokens` tokens of the same context in one request (its own loop, one decode per
+token): lossless, since that is exactly what llama-server alone would write (greedy),
+or draw (sampling, with the request's chain).
 
 The gate compares two measured rates, pooled over recent samples:
 
@@ -21,8 +20,8 @@ It starts speculating, measures one plain run after a few rounds, then keeps the
 cheaper side (switching needs a `HYSTERESIS` lead) and re-measures the other side now
 and then, so a drafter that becomes worth it (another prompt, a warmer cache) wins
 back. Re-measuring speculation is the dear direction: the slots it uses must catch up
-on the runs' tokens (or, in a new request, prefill its whole prompt: at 4k tokens on
-a 14B f16 target that first round alone took over a second on the H200). So each
+on the runs' tokens (or, in a new request, prefill its whole prompt, which at long
+contexts costs over a hundred plain steps; docs/BENCHMARKS.md). So each
 re-measurement that confirms plain runs doubles the wait for the next, and the wait
 is at least long enough that what the last one lost (its rounds' time beyond what
 plain runs would have taken for the same tokens) stays under `PROBE_BUDGET` of the

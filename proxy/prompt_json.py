@@ -1,8 +1,9 @@
 """The verify request body, encoded without re-encoding the context every round.
 
 A verify body repeats the whole context in each of its k+1 prompts, and json.dumps
-of 7 prompts of 4k tokens costs ~2.5 ms of Python per round (more than the proxy's
-whole overhead budget at 4k). The context only grows by a few tokens a round, so its
+of k+1 prompts of a long context costs more Python per round than the proxy's whole
+overhead budget (docs/BENCHMARKS.md, "Measurements behind design choices"). The
+context only grows by a few tokens a round, so its
 JSON text is kept and extended, and the body is assembled from that text.
 """
 

@@ -457,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def target_tokenizer_facts(upstream: Any) -> Any:
-    """The target's tokenizer facts, read from the running server (DESIGN.md §5):
+    """The target's tokenizer facts, read from the running server:
     vocabulary size, BOS/EOS ids and the ids of the shared probe text."""
     from npu_draft.tokenizer_check import PROBE_TEXT, target_facts
 

@@ -36,7 +36,7 @@ GREEDY_VERIFY_PARAMS: dict[str, Any] = {
 }
 
 
-# Sampling verification (DESIGN.md §4): the request's own chain, every other sampler
+# Sampling verification (README, "Sampling"): the request's own chain, every other sampler
 # left out, and n_probs >= top_k with post_sampling_probs, so each result carries the
 # whole distribution the server samples from (top_k bounds its support).
 MAX_VERIFY_TOP_K = 128  # beyond this the per-round JSON gets heavy: pass through instead
@@ -367,7 +367,7 @@ class UpstreamClient:
         seed: int = 0,
         branch: tuple[int, Sequence[int]] | None = None,
     ) -> list[VerifyResult]:
-        """Score `draft` after `context` in one batched pass (DESIGN.md §2).
+        """Score `draft` after `context` in one batched pass: one `/completion` of k+1 prompts.
 
         Returns k+1 results: result i is the target's next token after
         context + draft[:i] (greedy, or with `sampling` its own draw with `seed` plus

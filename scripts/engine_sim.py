@@ -1,11 +1,11 @@
 """The engine alone against a simulated server: how close it gets to its ceilings.
 
 The real engine (asyncio loop, drafter thread, policies) runs against a fake server
-whose verify round of k drafts takes a chosen time t_v(k) (e.g. the H200 table of
-DESIGN.md section 3), with an oracle drafter of chosen acceptance and per-token delay.
+whose verify round of k drafts takes a chosen time t_v(k) (e.g. the H200 rows of
+docs/BENCHMARKS.md), with an oracle drafter of chosen acceptance and per-token delay.
 Nothing else shares the machine's time with the engine, so this measures the engine's
 scheduling, not the host: tok/s against the free-draft ceiling E(k)/t_v(k) at the
-best k, and against the naive-overlap model of DESIGN.md section 4.
+best k, and against the naive-overlap model (proxy/bench/costmodel.py).
 
     PYTHONPATH=$PWD python scripts/engine_sim.py --verify-ms 17.9,20.1,22.1,23.7,24.4,25.0 \\
         --delay-ms 2.5 --acceptance 0.77 --config 'default=' \\
@@ -24,9 +24,10 @@ import time
 from dataclasses import dataclass
 
 from npu_draft.oracle import OracleConfig, OracleDraftModel
-from proxy.adaptive_k import DraftLengthPolicy
-from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams, PieceCache
+from proxy.draft_length import DraftLengthPolicy
+from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams
 from proxy.overlap_policy import OverlapPolicy
+from proxy.server_text import PieceCache
 from proxy.upstream import VerifyResult
 
 

@@ -11,7 +11,7 @@ the server's idle gap before each verify and the drafter's idle time during it.
         --acceptance 0.77 --delay-ms 3 -k 4 -n 96 --config 'defaults=' \\
         --config 'serial=--overlap off'
 
-Ceilings per configuration, from its own measured rounds (DESIGN.md section 4 model):
+Ceilings per configuration, from its own measured rounds (proxy/bench/costmodel.py):
 `ideal` = committed tokens / verify time (a free draft hidden under verification,
 no proxy work); `naive` adds (1 - a^(k+1)) x (k x delay) per round (drafting ahead
 only along the all-accepted line).

@@ -59,8 +59,8 @@ def gguf_tensor_name(hf_name: str) -> str:
 def read_tokenizer_fields(vocab_gguf: Path, cache_file: Path | None = None) -> list[list]:
     """The `tokenizer.*` key/values of a vocab GGUF as [key, type, subtype, value] rows.
 
-    gguf's reader takes ~30 s on the 151k-token vocabulary, so the rows are kept in
-    a JSON cache file next to the converted tokenizer.
+    gguf's reader is slow on the 151k-token vocabulary (tens of seconds;
+    docs/BENCHMARKS.md), so the rows are kept in a JSON cache file next to the converted tokenizer.
     """
     if cache_file is not None and cache_file.is_file():
         return json.loads(cache_file.read_text())
@@ -85,7 +85,7 @@ def read_tensor_types(path: Path) -> tuple[int | None, dict[str, tuple[tuple[int
     """`general.file_type` and each tensor's (numpy-order shape, GGML type) of a GGUF file.
 
     Reads the header only and skips the tokenizer arrays, where gguf's GGUFReader
-    spends ~10 s parsing the 151k-token vocabulary.
+    spends seconds parsing the 151k-token vocabulary (docs/BENCHMARKS.md).
     """
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
         if data[:4] != b"GGUF":

@@ -13,7 +13,6 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.adaptive_k import DraftLengthPolicy
 from proxy.api import shapes
 from proxy.api.errors import error_response, json_error_response, upstream_error_response
 from proxy.api.guard import (
@@ -26,20 +25,20 @@ from proxy.api.guard import (
 from proxy.api.passthrough import HEADER, forward
 from proxy.api.requests import NotEligible, PromptSpec, parse_chat, parse_completion
 from proxy.api.tool_calls import ToolTriggers, fallback_events, server_stream
+from proxy.draft_length import DraftLengthPolicy
 from proxy.drafter_guard import DrafterSupervisor
 from proxy.engine import (
     AsyncDrafter,
     Generation,
     GenerationParams,
     GenerationResult,
-    PieceCache,
     SlotReplicator,
-    TokenEvent,
 )
 from proxy.metrics import ProxyMetrics
 from proxy.overlap_policy import OverlapPolicy
 from proxy.plain_runs import PlainRunGate
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
+from proxy.server_text import PieceCache, TokenEvent
 from proxy.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ class ProxyState:
 
     replicate_prefill: bool = True
     adaptive_k: bool = True
-    draft_length: str = "formula"  # formula | marginal (proxy.adaptive_k)
+    draft_length: str = "formula"  # formula | marginal (proxy.draft_length)
     early_draft: bool = True  # draft the next round as soon as a verify result is back
     overlap: str = "auto"  # auto | on | off (proxy.overlap_policy)
     plain_runs: str = "auto"  # auto | off (proxy.plain_runs)

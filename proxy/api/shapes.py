@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.engine import GenerationResult, TokenEvent
+from proxy.engine import GenerationResult
+from proxy.server_text import TokenEvent
 
 
 def dumps(obj: Any) -> str:

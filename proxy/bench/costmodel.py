@@ -1,4 +1,4 @@
-"""The cost model of DESIGN.md section 4, as pure functions.
+"""The cost model behind every benchmark table (docs/BENCHMARKS.md), as pure functions.
 
 a: probability that a drafted token is accepted (i.i.d. per position); k drafts
 per round. A round commits its accepted run plus the target's own next token.

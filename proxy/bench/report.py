@@ -114,7 +114,7 @@ def render_table(result: dict[str, Any]) -> str:
         "plain step measured at this context, and that delay in ms.",
         "accept = accepted/drafted; acc/rnd = accepted per round; a iid = the per-token "
         "acceptance the cost model uses (ML estimate from per-position counts).",
-        "pred turns|ovl: cost model (DESIGN.md §4) from a iid, k/rnd and the measured "
+        "pred turns|ovl: cost model (proxy/bench/costmodel.py) from a iid, k/rnd and the measured "
         "draft/verify/overhead ms; meas/pred: all runs pooled over taking turns.",
         "=plain: runs equal to plain llama-server (exact ids where checked, else streamed "
         "ids and text); +N tie: differing runs whose first difference the server's top-2 "

@@ -88,9 +88,9 @@ RUN_FIELDS = (
 ROUND_COUNTER = "npu_spec_rounds_total"  # the proxy's rounds, see proxy.metrics
 WARMUP_TEXT = "Warm-up: count from one to ten."
 # Long enough for the batch shapes of many rounds. With an 8-token warm-up the first
-# runs of a fresh Vulkan build were erratic (H200, 14B, 512 tokens: builtin drafting at
-# 31-38 tok/s, against 111-120 at 4k later in the same run), most likely the backend
-# building a pipeline on the first use of each batch shape.
+# runs of a fresh Vulkan build were erratic (a third of the speed of later runs;
+# docs/BENCHMARKS.md), most likely the backend building a pipeline on the first use of
+# each batch shape.
 WARMUP_TOKENS = 32
 
 

@@ -1,4 +1,4 @@
-"""The cost model of DESIGN.md section 4 and the acceptance estimate behind it."""
+"""The cost model (proxy/bench/costmodel.py) and the acceptance estimate behind it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """scripts/verify_cost.py end to end on CPU with the small factory models.
 
 Asserts that the session completes, that the JSON holds every row asked for, and
-that each k+1-prompt verify round took exactly one llama_decode (DESIGN.md §2):
+that each k+1-prompt verify round took exactly one llama_decode (what -kvu buys):
 never a speed.
 """
 

@@ -11,8 +11,9 @@ from typing import Any
 import aiohttp
 
 from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP, top2_gap
-from proxy.drafting import AsyncDrafter, GreedyDraft, StopRule
-from proxy.engine import Generation, GenerationParams, GenerationResult, PieceCache, RoundRecord
+from proxy.drafting import AsyncDrafter, DrafterBase, GreedyDraft, StopRule
+from proxy.engine import Generation, GenerationParams, GenerationResult, RoundRecord
+from proxy.server_text import PieceCache
 from proxy.upstream import UpstreamClient
 
 
@@ -260,23 +261,35 @@ class RunnerUpFirstSession:
         self._inner.close()
 
 
-class RecordingDrafter:
+class RecordingDrafter(DrafterBase):
     """A drafter that keeps each draft it hands out, keyed by the length of the
     context it followed (distinct for every round of one generation)."""
+
+    early_draft = True  # its own `draft`, whatever the inner one drafts with
 
     def __init__(self, inner: AsyncDrafter, drafts: dict[int, list[int]]) -> None:
         self._inner = inner
         self.drafts = drafts
 
+    @property
+    def draft_ahead(self) -> bool:  # type: ignore[override]
+        return self._inner.draft_ahead
+
     async def draft(
         self, committed: Sequence[int], k_max: int, worth: StopRule, *k_fresh: int
     ) -> GreedyDraft:
-        inner = getattr(self._inner, "draft", None)
-        if inner is None:
-            return GreedyDraft(tokens=await self.propose(committed, min(k_max, *k_fresh)))
-        out = await inner(committed, k_max, worth, *k_fresh)
+        out = await self._inner.draft(committed, k_max, worth, *k_fresh)
         self.drafts[len(committed)] = list(out.tokens)
         return out
+
+    async def extend(self, n_max: int, cancel: Any, predraft: bool = False) -> int:
+        return await self._inner.extend(n_max, cancel, predraft)
+
+    async def branch(self, n_positions: int, n_tokens: int) -> Any:
+        return await self._inner.branch(n_positions, n_tokens)
+
+    async def propose_sampled(self, committed: Sequence[int], k: int, sampling: Any, rng: Any):
+        return await self._inner.propose_sampled(committed, k, sampling, rng)
 
     async def propose(self, committed: Sequence[int], k: int) -> list[int]:
         tokens = list(await self._inner.propose(committed, k))
@@ -286,7 +299,7 @@ class RecordingDrafter:
     async def close(self) -> None:
         await self._inner.close()
 
-    def __getattr__(self, name: str) -> Any:  # extend, propose_sampled: as the inner one
+    def __getattr__(self, name: str) -> Any:  # anything else: as the inner one
         return getattr(self._inner, name)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from npu_draft.protocol import GREEDY, CancelToken, Draft, SamplingParams
 from proxy.acceptance import branch_accept, greedy_accept
-from proxy.adaptive_k import DraftLengthPolicy, RoundCosts
+from proxy.draft_length import DraftLengthPolicy, RoundCosts
 from proxy.drafting import AsyncSessionDrafter, always
 from proxy.prompt_json import verify_body_text
 from tests.proxy.test_overlap_units import CountingSession, next_token

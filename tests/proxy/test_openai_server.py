@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from proxy.api import ProxyState, create_app
+from proxy.drafting import DrafterBase
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SlotScheduler
 from proxy.upstream import UpstreamClient
@@ -238,7 +239,7 @@ async def test_unreachable_upstream_is_503_naming_it():
     await upstream.close()
 
 
-class _FailingDrafter:
+class _FailingDrafter(DrafterBase):
     async def propose(self, committed, k):
         raise RuntimeError("NPU fell over")
 

@@ -39,7 +39,9 @@ import pytest
 from npu_draft.protocol import Draft, SamplingParams, SparseDist
 from npu_draft.sampling import sampling_distribution
 from proxy.api.requests import parse_completion
-from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams, PieceCache
+from proxy.drafting import DrafterBase
+from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams
+from proxy.server_text import PieceCache
 from proxy.upstream import SamplingSpec, UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import post_json, tokenize
@@ -64,7 +66,7 @@ CASES = [
 ]  # fmt: skip
 
 
-class FixedQDrafter:
+class FixedQDrafter(DrafterBase):
     """Drafts the first token from q: the real draft model's distribution after the
     prompt under the request's chain (npu_draft.sampling), drawn with the request's
     draft generator exactly as the drafters draw it. Every sample drafts after the

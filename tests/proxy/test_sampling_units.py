@@ -8,8 +8,10 @@ import pytest
 
 from npu_draft.protocol import Draft, SparseDist
 from proxy.api.requests import NotEligible, parse_chat, parse_completion
-from proxy.engine import Generation, GenerationParams, PieceCache, verdict_of
+from proxy.drafting import DrafterBase
+from proxy.engine import Generation, GenerationParams, verdict_of
 from proxy.metrics import ProxyMetrics
+from proxy.server_text import PieceCache
 from proxy.upstream import (
     MAX_VERIFY_TOP_K,
     SamplingSpec,
@@ -171,7 +173,7 @@ class FakeSamplingUpstream:
         raise AssertionError(token)
 
 
-class FixedDrafter:
+class FixedDrafter(DrafterBase):
     def __init__(self) -> None:
         self.q = SparseDist(np.array([20, 21]), np.array([0.5, 0.5]))
 
@@ -241,7 +243,7 @@ async def test_guarded_drafter_samples_and_checks_ids():
         async def propose_sampled(self, committed, k, sampling, rng):
             return Draft([10**9], [1.0], [self.q])
 
-    class GreedyOnly:
+    class GreedyOnly(DrafterBase):
         async def propose(self, committed, k):
             return [3] * k
 

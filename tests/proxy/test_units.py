@@ -11,17 +11,12 @@ from proxy.acceptance import greedy_accept
 from proxy.api.requests import NotEligible, parse_chat, parse_completion, parse_prompt
 from proxy.api.shapes import split_reasoning, thinking_prefix
 from proxy.config import ProxySettings, load_settings
-from proxy.engine import (
-    Generation,
-    GenerationParams,
-    PieceCache,
-    ServerTextState,
-    find_partial_stop,
-    valid_utf8_prefix,
-)
+from proxy.drafting import DrafterBase
+from proxy.engine import Generation, GenerationParams
 from proxy.managed import ServerLayout, verification_flags
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SchedulerBusy, SlotScheduler
+from proxy.server_text import PieceCache, ServerTextState, find_partial_stop, valid_utf8_prefix
 from proxy.upstream import VerifyResult, parse_prometheus
 
 # -- acceptance ----------------------------------------------------------------------
@@ -148,7 +143,7 @@ class FakeUpstream:
         raise AssertionError
 
 
-class ScriptDrafter:
+class ScriptDrafter(DrafterBase):
     def __init__(self, script: list[int], n_prompt: int, wrong_at: set[int] = frozenset()):
         self.script, self.n_prompt, self.wrong_at = script, n_prompt, wrong_at
         self.closed = False
@@ -217,7 +212,7 @@ async def test_engine_rejection_and_stats():
     assert all(r.decodes == 1 for r in result.rounds)
 
 
-class BrokenDrafter:
+class BrokenDrafter(DrafterBase):
     closed = False
 
     async def propose(self, committed, k):

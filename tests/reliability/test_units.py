@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api import ProxyState, create_app
 from proxy.drafter_guard import DrafterSupervisor
+from proxy.drafting import DrafterBase
 from proxy.llama_server import free_port
 from proxy.managed import ServerSupervisor
 from proxy.metrics import ProxyMetrics
@@ -80,7 +81,7 @@ async def test_supervisor_retries_a_failed_restart():
 # -- drafter supervision ----------------------------------------------------------------
 
 
-class Session:
+class Session(DrafterBase):
     def __init__(self, fail: bool = False, hang: bool = False) -> None:
         self.fail, self.hang, self.closed = fail, hang, False
 

@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.api import ProxyState, build_state, create_app
+from proxy.drafting import DrafterBase
 from proxy.llama_server import free_port
 from proxy.upstream import Timeouts, UpstreamClient
 
@@ -176,7 +177,7 @@ async def server_idle(base_url: str) -> bool:
 # -- drafters that misbehave ------------------------------------------------------------
 
 
-class FaultyDrafter:
+class FaultyDrafter(DrafterBase):
     """Wraps a real drafter; misbehaves on proposal number `at` (0-based) of every
     session: "raise", "hang", "garbage" (ids outside the vocabulary) or "slow"."""
 

@@ -15,15 +15,15 @@ measured rounds; until a few rounds exist, every position up to k_max is drafted
 Position 1 is always drafted: a round without drafts is a plain step that still
 pays the HTTP round trip.
 
-Verification is not always linear in the draft length. On Vulkan (H200, 32B q8_0) a
-batch of up to 8 tokens takes the matrix-vector path and a larger one costs ~3x more,
-so the k+1-slot round jumps between k = 2 and k = 3. The policy therefore keeps the
-mean verify time of each draft length it has seen and charges position i the measured
-difference between lengths i and i-1 (the fitted slope where either is not measured
-yet), and it looks ahead: a costly position is still drafted when the expected tokens
-of the following positions, with the draft's per-token probability so far, repay it.
-With linear costs the look-ahead changes nothing (each later position gains less and
-costs the same).
+Verification is not always linear in the draft length. On Vulkan a batch of up to 8
+tokens takes the matrix-vector path and a larger one costs several times more, so the
+k+1-slot round jumps between k = 2 and k = 3 (docs/BENCHMARKS.md, "Measurements behind
+design choices"). The policy therefore keeps the mean verify time of each draft length
+it has seen and charges position i the measured difference between lengths i and i-1
+(the fitted slope where either is not measured yet), and it looks ahead: a costly
+position is still drafted when the expected tokens of the following positions, with
+the draft's per-token probability so far, repay it. With linear costs the look-ahead
+changes nothing (each later position gains less and costs the same).
 
 Branch prompts (a runner-up's line verified beside the draft, proxy.drafting.Branch)
 are judged the same way, from measured rates only: a runner-up's own p says little
@@ -52,7 +52,7 @@ LengthRule = Literal["formula", "uniform", "marginal"]
 _FORMULA_RULES = ("formula", "uniform")
 
 _ALPHA = 0.2  # weight of the newest round in the running averages
-_PRIOR_VERIFY_SLOPE_MS = 1.0  # per extra draft; H200 14B: 1.5 at 512 tokens, 3 at 4k
+_PRIOR_VERIFY_SLOPE_MS = 1.0  # per extra draft, until measured (docs/BENCHMARKS.md)
 _MIN_ROUNDS = 3  # rounds observed before the rule starts cutting drafts
 _MIN_LENGTH_SAMPLES = 3  # rounds of one draft length before its mean verify time counts
 _RUNNER_UP_ALPHA = 0.05  # weight of the newest rejection in the runner-up hit rate
@@ -190,7 +190,7 @@ class DraftLengthPolicy:
         return self._successes / max(self._successes + self._failures, 1e-9)
 
     def round_ms_model(self, k: int, ahead: bool) -> float:
-        """Expected time of a round of k drafts (DESIGN.md section 4):
+        """Expected time of a round of k drafts (the cost model, proxy/bench/costmodel.py):
 
             verify(k) + proxy + (1 - a^(k+1)) (t_resync + k t_d)            ahead
             verify(k) + proxy + t_resync + k t_d                            serial
@@ -292,8 +292,8 @@ class DraftLengthPolicy:
         """Slots a new request's prefilled slot should be copied into: what the rounds
         have been using (plus one for a longer round), all k until that is measured.
         A slot not copied prefills in the first verify batch that needs it, which is
-        cheaper than copying it when few rounds reach it (a 14B f16 slot at 4k tokens
-        is 0.67 GB: six copies took ~1.3 s on the H200, where rounds drafted ~1 token)."""
+        cheaper than copying it when few rounds reach it (a slot holds the whole
+        context's KV; docs/BENCHMARKS.md, "Measurements behind design choices")."""
         if not self.adaptive or self.prompts_per_round is None or self.rounds < _MIN_ROUNDS:
             return self.k_max
         return min(self.k_max, max(1, round(self.prompts_per_round)))

@@ -1,0 +1,77 @@
+"""The drafter contract: `AsyncDrafter` names every call the engine and the guard make,
+`DrafterBase` answers the ones a propose-only backend leaves out, and every drafter
+the proxy builds offers them all."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from npu_draft.protocol import CancelToken
+from proxy.drafter_guard import DrafterSupervisor, GuardedDrafter
+from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, DrafterBase, always
+
+CALLS = ("propose", "draft", "extend", "branch", "propose_sampled", "close")
+FLAGS = ("early_draft", "draft_ahead")
+
+
+class Counting(DrafterBase):
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, int]] = []
+
+    async def propose(self, committed, k):
+        self.asked.append((len(committed), k))
+        return list(range(100, 100 + k))
+
+    async def close(self):
+        pass
+
+
+def test_the_protocol_declares_every_call_and_flag() -> None:
+    declared = {name for name, _ in inspect.getmembers(AsyncDrafter, inspect.isfunction)}
+    assert declared >= set(CALLS)
+    assert set(AsyncDrafter.__annotations__) >= set(FLAGS)
+
+
+@pytest.mark.parametrize("cls", [DrafterBase, AsyncSessionDrafter, GuardedDrafter])
+def test_every_drafter_offers_the_whole_contract(cls: type) -> None:
+    for name in CALLS:
+        assert inspect.iscoroutinefunction(getattr(cls, name)), f"{cls.__name__}.{name}"
+    for name in FLAGS:
+        assert isinstance(getattr(cls, name), bool), f"{cls.__name__}.{name}"
+
+
+def test_a_backend_must_propose_and_close() -> None:
+    class NoClose(DrafterBase):
+        async def propose(self, committed, k):
+            return []
+
+    with pytest.raises(TypeError):
+        NoClose()  # type: ignore[abstract]
+
+
+async def test_defaults_of_a_propose_only_backend() -> None:
+    drafter = Counting()
+    assert not drafter.early_draft and not drafter.draft_ahead
+    draft = await drafter.draft([1, 2], 4, always)
+    assert draft.tokens == [100, 101, 102, 103] and draft.probs == [] and draft.reused == 0
+    draft = await drafter.draft([1, 2, 3], 4, always, 2)  # at most k_fresh fresh tokens
+    assert draft.tokens == [100, 101]
+    assert drafter.asked == [(2, 4), (3, 2)]
+    assert await drafter.extend(3, CancelToken()) == 0
+    assert await drafter.branch(2, 2) is None
+    sampled = await drafter.propose_sampled([1], 3, None, None)  # type: ignore[arg-type]
+    assert sampled.tokens == [100, 101, 102] and sampled.dists is None  # no q: point mass
+
+
+async def test_the_guard_answers_for_a_propose_only_backend() -> None:
+    supervisor = DrafterSupervisor(Counting, n_vocab=1000)
+    guarded = await supervisor.open()
+    assert guarded is not None and guarded.early_draft and guarded.draft_ahead
+    assert (await guarded.draft([1], 3, always, 1)).tokens == [100]
+    assert await guarded.extend(2, CancelToken()) == 0
+    assert await guarded.branch(1, 1) is None
+    assert (await guarded.propose_sampled([1], 2, None, None)).tokens == [100, 101]
+    await guarded.close()
+    assert supervisor.failures == 0 and supervisor.sessions_open == 0
