@@ -43,6 +43,31 @@ def valid_utf8_prefix(data: bytes, *, high_bytes_lead: bool = True) -> int:
     return n
 
 
+def server_utf8_prefix(data: bytes) -> int:
+    """llama.cpp's own `validate_utf8` (tools/server/server-common.cpp), byte for byte.
+
+    It looks at the last four bytes whatever they are and cuts at a lead byte whose
+    sequence would run past the end, so on invalid UTF-8 it differs from
+    `valid_utf8_prefix`: b"\xe2A" is cut to nothing, and 0xF8-0xFF never lead. The
+    server holds back streamed text (and skips its stop-string check) exactly when this
+    cuts something, so the mirror must use the same rule.
+    """
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        byte = data[n - back]
+        if byte & 0xE0 == 0xC0:
+            need = 2
+        elif byte & 0xF0 == 0xE0:
+            need = 3
+        elif byte & 0xF8 == 0xF0:
+            need = 4
+        else:
+            continue
+        if back < need:
+            return n - back
+    return n
+
+
 def find_partial_stop(text: bytes, stop: bytes) -> int:
     """Start of the longest suffix of `text` that is a prefix of `stop`, else -1."""
     if not text or not stop:
@@ -110,7 +135,7 @@ class ServerTextState:
         self.generated += piece
         self.tokens.append(token)
         event = TokenEvent(token=token, text=b"", sent=False, n_decoded=len(self.tokens))
-        incomplete = valid_utf8_prefix(bytes(self.generated)) < len(self.generated)
+        incomplete = server_utf8_prefix(bytes(self.generated)) < len(self.generated)
         if not incomplete:
             pos = min(self.n_sent, len(self.generated))
             test = bytes(self.generated[pos:])

@@ -411,3 +411,32 @@ async def test_replication_failure_only_costs_speed():
     tokens = [event.token async for event in generation.run()]
     assert tokens == script[:8] and not replicator.available
     assert [len(d) for _, d in upstream.calls] == [0, 3, 2]  # plain first round, then drafts
+
+
+@pytest.mark.parametrize(
+    "data, kept",
+    [
+        (b"", 0),
+        (b"ab\xe2\x82\xac", 5),  # complete euro sign
+        (b"ab\xe2\x82", 2),  # cut inside it
+        (b"ab\xc3", 2),
+        (b"\xe2A", 0),  # a lead byte two back whose sequence an ASCII byte broke
+        (b"\xf0\xc3\xa9", 0),  # a complete 2-byte character inside a cut 4-byte one
+        (b"\xe2\xc3\xa9", 3),  # a 3-byte lead three back fits
+        (b"ab\xf8", 3),  # 0xF8-0xFF never lead
+        (b"abcde\xc3", 5),
+        (b"\x80\x80\x80\x80", 4),
+    ],
+)
+def test_server_utf8_prefix_follows_llama_servers_validate_utf8(data: bytes, kept: int) -> None:
+    from proxy.server_text import server_utf8_prefix
+
+    assert server_utf8_prefix(data) == kept
+
+
+def test_text_behind_a_broken_sequence_is_held_back_as_the_server_does() -> None:
+    state = ServerTextState(stop_words=[], n_prompt=1, n_ctx=100, n_predict=-1)
+    assert state.push(1, b"\xe2", False).sent is False
+    assert state.push(2, b"A", False).sent is False  # the server still sees a cut lead byte
+    event = state.push(3, b"BC", False)
+    assert event.sent and event.text == b"\xe2ABC"
