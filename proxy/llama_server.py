@@ -21,6 +21,7 @@ from pathlib import Path
 import aiohttp
 
 from proxy import server_install
+from proxy.child_process import ChildProcess
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-class LlamaServerProcess:
+class LlamaServerProcess(ChildProcess):
     """One llama-server child process: started, health-checked, and always stopped."""
+
+    name = "llama-server"
 
     def __init__(
         self,
@@ -91,14 +94,11 @@ class LlamaServerProcess:
         port: int | None = None,
         log_path: Path | None = None,
     ) -> None:
-        self.binary = Path(binary)
+        super().__init__(binary, log_path)
         self.model = Path(model)
         self.extra_args = list(extra_args)
         self.host = host
         self.port = port or free_port(host)
-        self.log_path = log_path
-        self._process: asyncio.subprocess.Process | None = None
-        self._log_file = None
 
     @property
     def base_url(self) -> str:
@@ -117,35 +117,17 @@ class LlamaServerProcess:
             *self.extra_args,
         ]
 
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.returncode is None
-
     async def start(self, timeout: float = 180.0) -> None:
-        if self.running:
-            return
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        sink = self._log_file if self._log_file is not None else asyncio.subprocess.DEVNULL
-        log.info("starting llama-server: %s", " ".join(self.command))
-        self._process = await asyncio.create_subprocess_exec(
-            *self.command, stdout=sink, stderr=sink, stdin=asyncio.subprocess.DEVNULL
-        )
-        try:
-            await self._wait_healthy(timeout)
-        except BaseException:
-            await self.stop()
-            raise
+        await super().start(timeout)
 
-    async def _wait_healthy(self, timeout: float) -> None:
+    async def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         url = f"{self.base_url}/health"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while time.monotonic() < deadline:
                 if not self.running:
                     raise LlamaServerStartError(
-                        f"llama-server exited with code {self._process.returncode} during "
+                        f"llama-server exited with code {self.exit_code} during "
                         f"start-up ({self._log_hint()}); command: {' '.join(self.command)}"
                     )
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
@@ -162,19 +144,6 @@ class LlamaServerProcess:
             return "pass log_path to keep its log"
         tail = self.log_path.read_text(errors="replace").splitlines()[-15:]
         return f"log {self.log_path}:\n" + "\n".join(tail)
-
-    async def stop(self, grace: float = 10.0) -> None:
-        process, self._process = self._process, None
-        if process is not None and process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), grace)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
 
     async def __aenter__(self) -> LlamaServerProcess:
         await self.start()

@@ -22,6 +22,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from proxy import server_install
+from proxy.child_process import ChildProcess
 from proxy.llama_server import free_port
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,11 @@ def find_rpc_server(explicit: str | os.PathLike[str] | None = None) -> Path:
     )
 
 
-class RpcServerProcess:
+class RpcServerProcess(ChildProcess):
     """One ggml-rpc-server child process exposing this host's devices (CPU when there
     is no accelerator) on host:port; ready once the port accepts connections."""
+
+    name = "ggml-rpc-server"
 
     def __init__(
         self,
@@ -71,14 +74,11 @@ class RpcServerProcess:
         extra_args: Sequence[str] = (),
         log_path: Path | None = None,
     ) -> None:
-        self.binary = Path(binary)
+        super().__init__(binary, log_path)
         self.host = host
         self.port = port or free_port(host)
         self.threads = threads
         self.extra_args = list(extra_args)
-        self.log_path = log_path
-        self._process: asyncio.subprocess.Process | None = None
-        self._log_file = None
 
     @property
     def endpoint(self) -> str:
@@ -89,33 +89,17 @@ class RpcServerProcess:
         threads = ["-t", str(self.threads)] if self.threads else []
         return [str(self.binary), "-H", self.host, "-p", str(self.port), *threads, *self.extra_args]
 
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.returncode is None
-
     async def start(self, timeout: float = 60.0) -> None:
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        sink = self._log_file if self._log_file is not None else asyncio.subprocess.DEVNULL
-        log.info("starting ggml-rpc-server: %s", " ".join(self.command))
-        self._process = await asyncio.create_subprocess_exec(
-            *self.command, stdout=sink, stderr=sink, stdin=asyncio.subprocess.DEVNULL
-        )
-        try:
-            await self._wait_listening(timeout)
-        except BaseException:
-            await self.stop()
-            raise
+        await super().start(timeout)
 
-    async def _wait_listening(self, timeout: float) -> None:
+    async def _wait_ready(self, timeout: float) -> None:
         # ggml-rpc-server serves one client at a time; a probe that connects and closes
         # at once is served and dropped before llama-server connects.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.running:
                 raise RpcServerStartError(
-                    f"ggml-rpc-server exited with code {self._process.returncode} during "
+                    f"ggml-rpc-server exited with code {self.exit_code} during "
                     f"start-up; command: {' '.join(self.command)}"
                 )
             with contextlib.suppress(OSError):
@@ -126,19 +110,6 @@ class RpcServerProcess:
                 return
             await asyncio.sleep(0.1)
         raise RpcServerStartError(f"ggml-rpc-server did not listen on {self.endpoint}")
-
-    async def stop(self, grace: float = 10.0) -> None:
-        process, self._process = self._process, None
-        if process is not None and process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), grace)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
 
 
 @contextlib.asynccontextmanager
