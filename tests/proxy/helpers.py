@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,21 @@ from proxy.drafting import AsyncDrafter, DrafterBase, GreedyDraft, StopRule
 from proxy.engine import Generation, GenerationParams, GenerationResult, RoundRecord
 from proxy.server_text import PieceCache
 from proxy.upstream import UpstreamClient
+
+
+@contextlib.asynccontextmanager
+async def server_pair(ref: Any, spec: Any) -> AsyncIterator[tuple[str, str]]:
+    """Start llama-server alone (`ref`) and the speculative layout's server (`spec`),
+    yield their base URLs, and stop both whatever happens."""
+    await ref.start()
+    try:
+        await spec.start()
+        try:
+            yield ref.base_url, spec.base_url
+        finally:
+            await spec.stop()
+    finally:
+        await ref.stop()
 
 
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict) -> dict:

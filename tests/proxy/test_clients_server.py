@@ -19,7 +19,7 @@ from proxy.managed import managed_server
 from proxy.server_install import source_dir
 from tests.proxy.client_bodies import greedy_client_bodies, web_ui
 from tests.proxy.conftest import CTX, LOG_DIR, SPEC_LAYOUT, run_proxy
-from tests.proxy.helpers import chat_prompt_tokens, parse_sse, post_json, stable_length
+from tests.proxy.helpers import chat_prompt_tokens, parse_sse, post_json, server_pair, stable_length
 
 pytestmark = [pytest.mark.server]
 
@@ -322,15 +322,8 @@ async def thinking_servers(
         extra_args=template_args,
         log_path=LOG_DIR / "clients-thinking-spec.log",
     )
-    await ref.start()
-    try:
-        await spec.start()
-        try:
-            yield ref.base_url, spec.base_url
-        finally:
-            await spec.stop()
-    finally:
-        await ref.stop()
+    async with server_pair(ref, spec) as urls:
+        yield urls
 
 
 async def test_reasoning_formats_split_as_the_server_does(

@@ -15,7 +15,7 @@ import pytest_asyncio
 from proxy.llama_server import LlamaServerProcess
 from proxy.managed import ServerLayout, managed_server
 from tests.proxy.conftest import CTX, LOG_DIR, run_proxy
-from tests.proxy.helpers import assert_greedy_equal, parse_sse, post_json, tokenize
+from tests.proxy.helpers import assert_greedy_equal, parse_sse, post_json, server_pair, tokenize
 
 pytestmark = pytest.mark.server
 
@@ -49,15 +49,8 @@ async def eos_servers(llama_server_bin: Path, eos_models: Path, tmp_path_factory
         slot_save_dir=tmp_path_factory.mktemp("eos-slots"),
         log_path=LOG_DIR / "eos-spec-server.log",
     )
-    await ref.start()
-    try:
-        await spec.start()
-        try:
-            yield ref.base_url, spec.base_url
-        finally:
-            await spec.stop()
-    finally:
-        await ref.stop()
+    async with server_pair(ref, spec) as urls:
+        yield urls
 
 
 def _drafter(eos_models: Path):

@@ -23,7 +23,7 @@ import pytest
 from proxy.llama_server import LlamaServerProcess
 from proxy.managed import managed_server
 from tests.proxy.conftest import CTX, LOG_DIR, SPEC_LAYOUT, run_proxy
-from tests.proxy.helpers import chat_prompt_tokens, parse_sse, stable_length
+from tests.proxy.helpers import chat_prompt_tokens, parse_sse, server_pair, stable_length
 from tests.proxy.test_clients_server import assert_same_stream
 
 pytestmark = [pytest.mark.server]
@@ -70,15 +70,8 @@ async def greedy_servers(
         extra_args=[*greedy, "--path", web_ui_tools["dist"]],
         log_path=LOG_DIR / "web-ui-spec.log",
     )
-    await ref.start()
-    try:
-        await spec.start()
-        try:
-            yield ref.base_url, spec.base_url
-        finally:
-            await spec.stop()
-    finally:
-        await ref.stop()
+    async with server_pair(ref, spec) as urls:
+        yield urls
 
 
 def streamed_text(events: list[dict]) -> tuple[str, str]:
