@@ -723,6 +723,9 @@ class Generation:
                             overhead_ms=record.overhead_ms,
                         )
                     )
+                if self.plain_runs is not None and drafted.fresh > 0:
+                    # the drafter's own speed: a drafter too slow to win is told apart
+                    self.plain_runs.observe_drafter(drafted.fresh_ms / drafted.fresh)
                 if self.observer is not None:
                     self.observer.observe_round(record)
         finally:

@@ -27,6 +27,16 @@ is at least long enough that what the last one lost (its rounds' time beyond wha
 plain runs would have taken for the same tokens) stays under `PROBE_BUDGET` of the
 plain time in between. One gate is shared by the requests of one proxy, like the
 draft-length policy.
+
+A drafter too slow to ever win is told apart without those rounds. A round of k
+drafts takes at least one plain step and at least k of the drafter's tokens (drafting
+ahead hides drafting behind verification, it does not make it faster), and it commits
+at most k + 1 tokens; where that bound is no cheaper than plain runs, the gate measures
+one plain run as soon as the drafter's speed is known and stays with plain runs.
+
+While plain runs are chosen, whole requests pass through to llama-server untouched
+(its own streaming, no per-run requests); every so many requests one is served by
+the engine again, which re-measures both sides.
 """
 
 from __future__ import annotations
@@ -47,6 +57,17 @@ PROBE_BUDGET = 0.05  # a re-measurement may cost this share of the plain time un
 PROBE_SPEC_AFTER_CAP = 65536  # the longest wait, however dear a re-measurement was
 PROBE_SPEC_ROUNDS = 4  # rounds of speculation each re-measurement runs
 PROBE_PLAIN_AFTER = 512  # committed speculative tokens between re-measured plain runs
+PASS_REQUESTS = 4  # requests passed through before one re-measures (while plain is chosen)
+PASS_REQUESTS_MAX = 64  # doubling while re-measurements confirm plain runs
+BOUND_K_MAX = 16  # draft lengths the drafter-speed bound considers
+_DRAFT_ALPHA = 0.3  # weight of the newest drafter timing
+
+
+def speculation_bound_ms(plain_ms: float, draft_ms: float, k_max: int = BOUND_K_MAX) -> float:
+    """The least ms per committed token speculation can reach with a drafter of
+    `draft_ms` per token: a round of k drafts lasts at least one plain step and k
+    drafter tokens, and commits at most k + 1 tokens (all accepted plus the bonus)."""
+    return min(max(plain_ms, k * draft_ms) / (k + 1) for k in range(1, k_max + 1))
 
 
 class _Rate:
@@ -92,12 +113,17 @@ class PlainRunGate:
         self._spec_tokens_since_probe = 0
         self._probe_loss_ms = 0.0  # what the current re-measurement cost beyond plain runs
         self.switches = 0
+        self.draft_ms: float | None = None  # the drafter's own ms per drafted token
+        self._passed = 0  # requests passed through since the last re-measuring one
+        self._pass_limit = PASS_REQUESTS
 
     def choose(self) -> int:
         if self.mode == "off" or self._spec_probe_left > 0:
             return 0
         if self._plain.ms_per_token is None:  # first measurement of plain runs
-            return self.run_tokens if len(self._spec) >= MIN_SPEC_ROUNDS else 0
+            # early where the drafter's speed is known: it may rule speculation out
+            early = self.draft_ms is not None and len(self._spec) >= 1
+            return self.run_tokens if early or len(self._spec) >= MIN_SPEC_ROUNDS else 0
         if self.plain_chosen:
             if self._plain_tokens_since_probe >= self._probe_spec_after:
                 # re-measure speculation afresh: its old rounds may be long stale
@@ -115,6 +141,37 @@ class PlainRunGate:
         """Plain runs are the measured choice right now."""
         return self.mode != "off" and self.plain_chosen
 
+    def hopeless(self) -> bool:
+        """At the measured drafter speed speculation cannot beat plain runs, even with
+        every draft accepted (`speculation_bound_ms`)."""
+        plain = self._plain.ms_per_token
+        if plain is None or self.draft_ms is None:
+            return False
+        return speculation_bound_ms(plain, self.draft_ms) * (1 - HYSTERESIS) >= plain
+
+    def pass_through(self) -> bool:
+        """Whether a new request should go to llama-server untouched: plain runs are
+        chosen, and it is not the turn of a request that re-measures (one in
+        `PASS_REQUESTS`, doubling up to `PASS_REQUESTS_MAX` while plain stays chosen)."""
+        if not self.prefers_plain():
+            return False
+        if self._passed < self._pass_limit:
+            self._passed += 1
+            return True
+        self._passed = 0
+        self._pass_limit = min(2 * self._pass_limit, PASS_REQUESTS_MAX)
+        return False
+
+    def observe_drafter(self, ms_per_token: float) -> None:
+        """The drafter's own time per drafted token (re-syncs excluded)."""
+        if ms_per_token <= 0:
+            return
+        old = self.draft_ms
+        self.draft_ms = ms_per_token if old is None else old + _DRAFT_ALPHA * (ms_per_token - old)
+        if self._spec_probe_left > 0 and self.hopeless():
+            self._spec_probe_left = 0  # no need to finish a re-measurement that cannot win
+            self._probe_spec_after = self._next_probe_wait()
+
     def observe_round(self, round_ms: float, n_committed: int) -> None:
         """A steady speculative round (not a first round, not one catching up a run)."""
         self._spec.add(round_ms, n_committed)
@@ -128,7 +185,8 @@ class PlainRunGate:
             if self.plain_chosen:
                 self._probe_spec_after = self._next_probe_wait()
             return
-        self._decide()
+        if len(self._spec) >= MIN_SPEC_ROUNDS:  # a plain run measured early waits for them
+            self._decide()
 
     def observe_catch_up(self, round_ms: float, n_committed: int) -> None:
         """The first speculative round after plain runs: the slots catch up on the runs'
@@ -154,7 +212,10 @@ class PlainRunGate:
         self._plain.add(run_ms, n_tokens)
         self._plain_tokens_since_probe += n_tokens
         self._spec_tokens_since_probe = 0
-        self._decide()
+        if self.hopeless() and not self.plain_chosen:
+            self._switch("the drafter is too slow to win")
+        elif len(self._spec) >= MIN_SPEC_ROUNDS:
+            self._decide()
 
     def _decide(self) -> None:
         spec, plain = self._spec.ms_per_token, self._plain.ms_per_token
@@ -164,15 +225,18 @@ class PlainRunGate:
             switch = spec < plain * (1 - HYSTERESIS)
         else:
             switch = plain < spec * (1 - HYSTERESIS)
-        if switch:
-            self.plain_chosen = not self.plain_chosen
-            self.switches += 1
-            self._probe_spec_after = PROBE_SPEC_AFTER
-            log.info(
-                "%s requests: speculating %.1f ms/token vs plain %.1f ms/token: %s",
-                self.name, spec, plain,
-                "plain runs" if self.plain_chosen else "speculating again",
-            )  # fmt: skip
+        if switch and not (self.plain_chosen and self.hopeless()):
+            self._switch(f"speculating {spec:.1f} ms/token vs plain {plain:.1f} ms/token")
+
+    def _switch(self, why: str) -> None:
+        self.plain_chosen = not self.plain_chosen
+        self.switches += 1
+        self._probe_spec_after = PROBE_SPEC_AFTER
+        self._passed, self._pass_limit = 0, PASS_REQUESTS
+        log.info(
+            "%s requests: %s: %s",
+            self.name, why, "plain runs" if self.plain_chosen else "speculating again",
+        )  # fmt: skip
 
     def snapshot(self) -> dict[str, float | int | bool | None]:
         return {
@@ -181,4 +245,6 @@ class PlainRunGate:
             "plain_ms_per_token": self._plain.ms_per_token,
             "switches": self.switches,
             "probe_spec_after": self._probe_spec_after,
+            "draft_ms_per_token": self.draft_ms,
+            "hopeless": self.hopeless(),
         }

@@ -246,6 +246,16 @@ async def metrics(request: web.Request) -> web.Response:
     return response
 
 
+PLAIN_PREFERRED = "plain decoding is measured faster than speculating here"
+
+
+def _plain_preferred(state: ProxyState, sampling: SamplingSpec | None) -> bool:
+    """While plain runs are the measured choice, requests go to llama-server whole
+    (its own decoding loop and streaming), except the ones that re-measure."""
+    gate = _run_gate(state, sampling)
+    return gate is not None and gate.pass_through()
+
+
 def _run_gate(state: ProxyState, sampling: SamplingSpec | None) -> PlainRunGate | None:
     """The plain-run gate for a request. A seeded sampling request always speculates:
     its draws then depend on its seed alone, not on what the proxy measured before."""
@@ -396,12 +406,16 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
     try:
         if kind == "chat":
             params = parse_chat(body, state.defaults)
+            if _plain_preferred(state, params.sampling):
+                return await pass_on(PLAIN_PREFERRED)
             if params.offers_tools:
                 triggers = await state.tool_triggers.words(body)
             prompt_text = await state.upstream.apply_template(body)
             tokens = await state.upstream.tokenize(prompt_text, add_special=True)
         else:
             prompt, params = parse_completion(body, state.defaults, oai=kind == "oai")
+            if _plain_preferred(state, params.sampling):
+                return await pass_on(PLAIN_PREFERRED)
             tokens = await _tokenize_prompt(state.upstream, prompt)
             prompt_text = await state.upstream.detokenize(tokens)
     except NotEligible as exc:

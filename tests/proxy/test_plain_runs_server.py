@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from proxy.engine import GenerationParams, SlotReplicator
-from proxy.plain_runs import PlainRunGate
+from proxy.plain_runs import PASS_REQUESTS, PlainRunGate
 from proxy.upstream import UpstreamClient
 from tests.proxy.conftest import run_proxy
 from tests.proxy.helpers import assert_greedy_equal, generate, post_json, tokenize
@@ -77,6 +77,16 @@ async def test_gate_picks_plain_runs_when_drafts_are_never_accepted(
         assert gate["plain_ms_per_token"] < gate["spec_ms_per_token"], gate
         metrics = await (await proxy.session.get(proxy.url + "/metrics")).text()
         assert "npu_spec_plain_runs_chosen 1" in metrics
+        # the next requests go to llama-server whole, the same text, until one re-measures
+        rounds = proxy.state.metrics.rounds
+        for _ in range(PASS_REQUESTS):
+            status, again, headers = await proxy.post("/completion", body)
+            assert status == 200 and headers["X-Npu-Spec"] == "passthrough", again
+            assert again["tokens"] == got["tokens"]
+        assert proxy.state.metrics.rounds == rounds
+        status, again, headers = await proxy.post("/completion", body)
+        assert headers["X-Npu-Spec"] == "speculative" and again["tokens"] == got["tokens"]
+        assert proxy.state.metrics.rounds > rounds
     async with run_proxy(
         spec_server, drafter_for("reference:unrelated"), 4, plain_runs="off"
     ) as proxy:

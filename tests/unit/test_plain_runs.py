@@ -203,3 +203,66 @@ def test_timings_count_the_tokens_plain_runs_wrote():
     assert timings["draft_n"] == 5
     rounds.pop(1)
     assert "plain_run_n" not in result.timings()  # absent, like draft_n, when none
+
+
+def test_speculation_bound_follows_the_drafter_speed():
+    from proxy.plain_runs import speculation_bound_ms
+
+    # a free drafter: k + 1 tokens for one plain step at best
+    assert speculation_bound_ms(10.0, 0.0, k_max=4) == pytest.approx(10.0 / 5)
+    # a drafter slower than the server: never below half its own time per token
+    assert speculation_bound_ms(9.3, 22.0) == pytest.approx(11.0)
+    # one as fast as the server: k = 1, a plain step for two tokens
+    assert speculation_bound_ms(10.0, 10.0) == pytest.approx(5.0)
+
+
+def test_a_drafter_too_slow_to_win_is_ruled_out_after_one_round():
+    """0.6B on a CPU at 22 ms a token against a 9.3 ms plain step: one round, one plain
+    run, then plain runs for good (no MIN_SPEC_ROUNDS of losing rounds)."""
+    gate = PlainRunGate("auto", run_tokens=16)
+    assert gate.choose() == 0
+    gate.observe_round(60.0, 2)
+    gate.observe_drafter(22.0)
+    assert gate.choose() == 16  # the plain run, measured early
+    gate.observe_run(16 * 9.3, 16)
+    assert gate.hopeless() and gate.plain_chosen
+    for _ in range(100):
+        if gate.choose() == 0:  # a re-measurement: its first round re-times the drafter
+            gate.observe_drafter(22.0)
+            assert gate.choose() == 16  # ... and ends there
+        gate.observe_run(16 * 9.3, 16)
+    assert gate.plain_chosen and gate.switches == 1
+
+
+def test_a_fast_drafter_is_still_measured_by_its_rounds():
+    gate = PlainRunGate("auto", run_tokens=16)
+    gate.choose()
+    gate.observe_round(30.0, 3)
+    gate.observe_drafter(2.5)
+    assert gate.choose() == 16  # plain measured early ...
+    gate.observe_run(16 * 9.3, 16)
+    assert not gate.hopeless() and not gate.plain_chosen
+    # ... but the choice waits for MIN_SPEC_ROUNDS rounds of speculation
+    for _ in range(MIN_SPEC_ROUNDS - 2):
+        assert gate.choose() == 0
+        gate.observe_round(3 * 12.0, 3)  # dearer than plain, yet not judged yet
+        assert not gate.plain_chosen
+    assert gate.choose() == 0
+    gate.observe_round(3 * 12.0, 3)
+    assert gate.plain_chosen
+
+
+def test_requests_pass_through_while_plain_is_chosen_with_re_measuring_ones_between():
+    from proxy.plain_runs import PASS_REQUESTS, PASS_REQUESTS_MAX
+
+    gate = PlainRunGate("auto", run_tokens=16)
+    assert not gate.pass_through()  # nothing measured: speculate
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
+    gate.choose()
+    gate.observe_run(160.0, 16)
+    assert gate.plain_chosen
+    served = [i for i in range(400) if not gate.pass_through()]
+    gaps = [b - a - 1 for a, b in itertools.pairwise(served)]
+    assert served[0] == PASS_REQUESTS
+    assert gaps[0] == 2 * PASS_REQUESTS and max(gaps) == PASS_REQUESTS_MAX
+    assert not PlainRunGate("off").pass_through()
