@@ -213,7 +213,12 @@ class PlainRunGate:
         self._plain_tokens_since_probe += n_tokens
         self._spec_tokens_since_probe = 0
         if self.hopeless() and not self.plain_chosen:
-            self._switch("the drafter is too slow to win")
+            assert self.draft_ms is not None and self._plain.ms_per_token is not None
+            bound = speculation_bound_ms(self._plain.ms_per_token, self.draft_ms)
+            self._switch(
+                f"drafting {self.draft_ms:.1f} ms/token allows speculating no faster than "
+                f"{bound:.1f} ms/token vs plain {self._plain.ms_per_token:.1f} ms/token"
+            )
         elif len(self._spec) >= MIN_SPEC_ROUNDS:
             self._decide()
 
