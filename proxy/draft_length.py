@@ -24,15 +24,6 @@ it has seen and charges position i the measured difference between lengths i and
 position is still drafted when the expected tokens of the following positions, with
 the draft's per-token probability so far, repay it. With linear costs the look-ahead
 changes nothing (each later position gains less and costs the same).
-
-Branch prompts (a runner-up's line verified beside the draft, proxy.drafting.Branch)
-are judged the same way, from measured rates only: a runner-up's own p says little
-(a random-weight or quantised draft spreads its probability thin even where its
-second choice is usually right). With a the measured acceptance per draft and h the
-measured share of rejections whose target token was the draft's runner-up there, a
-branch at position j gains its first token with chance a^j (1 - a) h and each later
-one with a further factor a; prompt i costs the measured verify step to one more
-prompt (plus one drafted token after the first).
 """
 
 from __future__ import annotations
@@ -55,8 +46,6 @@ _ALPHA = 0.2  # weight of the newest round in the running averages
 _PRIOR_VERIFY_SLOPE_MS = 1.0  # per extra draft, until measured (docs/BENCHMARKS.md)
 _MIN_ROUNDS = 3  # rounds observed before the rule starts cutting drafts
 _MIN_LENGTH_SAMPLES = 3  # rounds of one draft length before its mean verify time counts
-_RUNNER_UP_ALPHA = 0.05  # weight of the newest rejection in the runner-up hit rate
-_PRIOR_RUNNER_UP_HITS = 0.3  # before any rejection had a runner-up to compare
 
 
 _ACCEPT_ALPHA = 0.05  # the formula's acceptance: E(k) is steep in a, so average longer
@@ -76,7 +65,6 @@ class RoundCosts:
     draft_ms: float  # drafting the round waited for (not what overlapped)
     verify_ms: float
     round_ms: float
-    n_branch: int = 0  # extra prompts verifying a runner-up's line (proxy.drafting.Branch)
     # what the drafter itself spent on the tokens it drafted fresh for this round (not
     # taken from drafting ahead), and whether the round started with a re-sync (no line
     # held the committed sequence: a miss, or no drafting ahead)
@@ -120,8 +108,6 @@ class DraftLengthPolicy:
         self._by_length: dict[int, tuple[float, int]] = {}  # n -> (mean verify ms, rounds)
         self._slope = _PRIOR_VERIFY_SLOPE_MS
         self.prompts_per_round: float | None = None  # verify prompts (slots) per round
-        self.acceptance: float | None = None  # accepted / drafted, running
-        self.runner_up_hits: float | None = None  # rejections the runner-up would have saved
 
     def length(self, ahead: bool) -> int:
         """The most drafts the next round should send: k_max until measured, or in
@@ -259,35 +245,6 @@ class DraftLengthPolicy:
                 return True
         return False
 
-    def branch_length(self, position: int, n_tokens: int, n_drafted: int) -> int:
-        """How many prompts of a runner-up's line leaving the draft at `position`
-        (0-based; len(draft) for the bonus) to verify beside `n_drafted` drafts: the
-        longest prefix whose expected tokens repay the verify time of its extra prompts
-        and the drafting of its tokens after the first. Fixed-k mode (and the first
-        rounds) verify all of them."""
-        if not self.adaptive or self.rounds < _MIN_ROUNDS:
-            return n_tokens
-        assert self.round_ms is not None and self.tokens_per_round is not None
-        token_ms = self.round_ms / max(self.tokens_per_round, 1.0)
-        a = self.acceptance if self.acceptance is not None else 0.5
-        hits = self.runner_up_hits if self.runner_up_hits is not None else _PRIOR_RUNNER_UP_HITS
-        chance = a**position * (1.0 - a) * hits
-        keep = 0
-        gain = cost = 0.0
-        for i in range(n_tokens):  # prompt i verifies the token after branch[:i+1]
-            gain += chance * a**i * token_ms
-            cost += self.verify_ms_for_draft(n_drafted + i + 1)
-            cost += (self.draft_ms_per_token or 0.0) if i > 0 else 0.0
-            if gain > cost:
-                keep = i + 1
-        return keep
-
-    def observe_runner_up(self, hit: bool) -> None:
-        """A rejected draft that had a runner-up: was it the target's token?"""
-        value = 1.0 if hit else 0.0
-        old = self.runner_up_hits
-        self.runner_up_hits = value if old is None else old + _RUNNER_UP_ALPHA * (value - old)
-
     def slots_to_copy(self) -> int:
         """Slots a new request's prefilled slot should be copied into: what the rounds
         have been using (plus one for a longer round), all k until that is measured.
@@ -328,19 +285,17 @@ class DraftLengthPolicy:
         return _PRIOR_VERIFY_SLOPE_MS
 
     def observe(self, costs: RoundCosts) -> None:
-        n = len(costs.probs) + costs.n_branch  # prompts - 1: what the verify time follows
-        if not costs.probs:
+        n = len(costs.probs)  # prompts - 1: what the verify time follows
+        if not n:
             return
         expected = float(np.cumprod(np.asarray(costs.probs, dtype=np.float64)).sum())
         self._accepted = _ema(self._accepted, costs.n_accepted)
-        self.acceptance = _ema(self.acceptance, costs.n_accepted / len(costs.probs))
         self._expected = _ema(self._expected, expected)
         self.calibration = min(max((self._accepted + 0.1) / (self._expected + 0.1), 0.05), 4.0)
         self.round_ms = _ema(self.round_ms, costs.round_ms)
         self.tokens_per_round = _ema(self.tokens_per_round, costs.n_committed)
         self.prompts_per_round = _ema(self.prompts_per_round, n + 1)
-        drafted = len(costs.probs) + max(costs.n_branch - 1, 0)  # a runner-up costs nothing
-        self.draft_ms_per_token = _ema(self.draft_ms_per_token, costs.draft_ms / drafted)
+        self.draft_ms_per_token = _ema(self.draft_ms_per_token, costs.draft_ms / n)
         self._verify.append((n, costs.verify_ms))
         self._slope = self._fit_slope()
         mean, count = self._by_length.get(n, (costs.verify_ms, 0))
@@ -367,7 +322,6 @@ class DraftLengthPolicy:
             "tokens_per_round": self.tokens_per_round,
             "draft_ms_per_token": self.draft_ms_per_token,
             "verify_ms_per_draft": self.verify_slope_ms(),
-            "runner_up_hits": self.runner_up_hits,
             "rule": self.rule,
             "acceptance": self.acceptance_rate(),
             "draft_token_ms": self.token_ms,

@@ -25,13 +25,12 @@ from proxy.acceptance import (
     RngChooser,
     SampledAcceptance,
     Verdict,
-    branch_accept,
     greedy_accept,
     normalized,
     speculative_sample,
 )
 from proxy.draft_length import DraftLengthPolicy, RoundCosts
-from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, Branch, GreedyDraft
+from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, GreedyDraft
 from proxy.overlap_policy import OverlapPolicy
 from proxy.plain_runs import PlainRunGate
 from proxy.server_text import PieceCache, ServerTextState, TokenEvent, valid_utf8_prefix
@@ -59,11 +58,9 @@ class GenerationParams:
     sampling: SamplingSpec | None = None  # None: greedy
     adaptive: bool = True  # greedy: choose each round's length (proxy.draft_length)
     overlap: bool = True  # greedy: may draft while the server verifies (OverlapPolicy decides)
-    predraft: bool = False  # greedy: drafting ahead also follows the likeliest runner-up
     # greedy: start the next round's draft as soon as the verify result is known, behind
     # the proxy's own work on the round (else when the next round starts)
     early_draft: bool = True
-    branch_prompts: int = 0  # greedy: most prompts a round may spend on a runner-up's line
 
 
 @dataclass
@@ -82,8 +79,6 @@ class RoundRecord:
     n_matched: int | None = None
     n_reused: int = 0  # drafts that were ready from drafting ahead
     plain_run: bool = False  # the server decoded n_committed tokens alone (proxy.plain_runs)
-    n_branch: int = 0  # extra prompts that verified a runner-up's line
-    n_via_branch: int = 0  # tokens committed through that line
     # The round's timeline, ms since the round started (proxy.metrics sums the gaps):
     draft_ready_ms: float = 0.0  # the draft was ready
     verify_sent_ms: float = 0.0  # the verify (or plain-run) request went out
@@ -318,38 +313,7 @@ class Generation:
             # the line keeps what was drafted, so drafting again reuses it
             return await self._draft(committed, k, k_fresh=k_fresh)
         drafted.tokens, drafted.probs = drafted.tokens[:k], drafted.probs[:k]
-        drafted.alternatives = drafted.alternatives[:k]
         return drafted, dists, (time.perf_counter() - started) * 1e3
-
-    async def _branch(self, drafted: GreedyDraft, k: int) -> tuple[Branch | None, float]:
-        """(the runner-up line to verify beside the draft, or None; ms spent on it).
-
-        It uses the round's spare slots (k+1 prompts in all) and is kept only as long
-        as the draft-length policy says its prompts repay their verify cost."""
-        room = min(self.params.branch_prompts, k - len(drafted.tokens))
-        drafter = self.drafter
-        if room <= 0 or drafter is None or not any(drafted.alternatives):
-            return None, 0.0
-        # Ask before drafting the branch's continuation (it costs a re-sync and a step
-        # of the drafter): position 0, the likeliest under the measured rates, bounds it.
-        room = self.policy.branch_length(0, room, len(drafted.tokens))
-        if room <= 0:
-            return None, 0.0
-        started = time.perf_counter()
-        try:
-            branch = await drafter.branch(len(drafted.tokens) + 1, room)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            await _close_quietly(self._drop_drafter())
-            return None, (time.perf_counter() - started) * 1e3
-        if branch is not None:
-            keep = self.policy.branch_length(
-                branch.position, len(branch.tokens), len(drafted.tokens)
-            )
-            branch.tokens, branch.probs = branch.tokens[:keep], branch.probs[:keep]
-            branch = branch if branch.tokens else None
-        return branch, (time.perf_counter() - started) * 1e3
 
     def _drop_drafter(self) -> AsyncDrafter | None:
         """Lossless either way: without a draft every round is plain decoding."""
@@ -383,7 +347,7 @@ class Generation:
         async def run() -> None:
             try:
                 # the bonus guess and the next round's drafts
-                await drafter.extend(self.policy.length(True) + 1, cancel, self.params.predraft)
+                await drafter.extend(self.policy.length(True) + 1, cancel)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -535,12 +499,6 @@ class Generation:
                     await self._copy_context_slot(context_slot, lag)
                 context_slot, lag = -1, 0
                 k = max(0, min(self.params.k, room - 1))
-                if not self.params.adaptive and sampling is None and self.params.branch_prompts:
-                    # fixed k: every round verifies k+1 prompts, branch_prompts of them
-                    # on the runner-up's line where the draft has one
-                    k_main = max(1, k - self.params.branch_prompts)
-                else:
-                    k_main = k
                 # While plain runs are the cheaper side, a new request starts with one
                 # slot and no copies: copying a long context costs more (a slot holds the
                 # whole context's KV; docs/BENCHMARKS.md, "Measurements behind design
@@ -559,16 +517,12 @@ class Generation:
                 )
                 if replicate or plain_first:
                     k = 0  # prefill one slot only (copies of it follow where replicating)
-                branch: Branch | None = None
                 if sampling is None:
                     ahead = self._ahead_expected()
-                    k_main = min(k, k_main, self.policy.length(ahead))
-                    k_fresh = min(k_main, self.policy.fresh_length(ahead))
-                    drafted, dists, draft_ms = await self._take_draft(committed, k_main, k_fresh)
+                    k = min(k, self.policy.length(ahead))
+                    k_fresh = min(k, self.policy.fresh_length(ahead))
+                    drafted, dists, draft_ms = await self._take_draft(committed, k, k_fresh)
                     draft = drafted.tokens
-                    if draft and self.params.branch_prompts and self.drafter is not None:
-                        branch, branch_ms = await self._branch(drafted, k)
-                        draft_ms += branch_ms
                     draft_ready = verify_start = time.perf_counter()
                     if pending_overlap is not None:  # the last round's choice, judged
                         self.overlap_policy.observe(
@@ -576,11 +530,7 @@ class Generation:
                         )
                         pending_overlap = None
                     chose_ahead = self._start_ahead() if draft else None
-                    results = await self.upstream.verify(
-                        committed,
-                        draft,
-                        branch=None if branch is None else (branch.position, branch.tokens),
-                    )
+                    results = await self.upstream.verify(committed, draft)
                 else:
                     drafted, dists, draft_ms = await self._draft(
                         committed, k, sampling.chain, draft_rng
@@ -599,33 +549,12 @@ class Generation:
                 if first_round_end is None:
                     n_cached = results[0].cached
                 acceptance: Acceptance
-                if branch is not None:
-                    main_results, branch_results = (
-                        results[: len(draft) + 1],
-                        results[len(draft) + 1 :],
-                    )
-                    acceptance = branch_accept(
-                        draft,
-                        [r.token for r in main_results],
-                        branch.position,
-                        branch.tokens,
-                        [r.token for r in branch_results],
-                    )
-                    if acceptance.via_branch:  # the results behind each committed token
-                        results = main_results[: branch.position + 1] + branch_results
-                elif sampling is None:
+                if sampling is None:
                     acceptance = greedy_accept(draft, [r.token for r in results])
                 else:
                     verdicts = [verdict_of(r) for r in results]
                     acceptance = speculative_sample(draft, dists, verdicts, chooser)
-                # measured for the branch rule: was the rejected draft's runner-up the
-                # target's token? (sampling drafts carry no runner-ups)
-                rejected = acceptance.n_accepted
-                if rejected < min(len(draft), len(drafted.alternatives)):
-                    runner_up = drafted.alternatives[rejected]
-                    if runner_up is not None:
-                        self.policy.observe_runner_up(results[rejected].token == runner_up[0])
-                if sampling is None and self.params.early_draft and not self.params.branch_prompts:
+                if sampling is None and self.params.early_draft:
                     # the next round's committed sequence is known: draft it while this
                     # round's tokens are committed (wasted only where the generation stops)
                     room_next = room - len(acceptance.tokens)
@@ -690,8 +619,6 @@ class Generation:
                     if isinstance(acceptance, SampledAcceptance)
                     else None,
                     n_reused=drafted.reused,
-                    n_branch=0 if branch is None else len(branch.tokens),
-                    n_via_branch=acceptance.via_branch,
                     draft_ready_ms=(draft_ready - round_start) * 1e3,
                     verify_sent_ms=(verify_start - round_start) * 1e3,
                     verify_back_ms=(verify_back - round_start) * 1e3,
@@ -716,7 +643,6 @@ class Generation:
                             draft_ms=draft_ms,
                             verify_ms=verify_ms,
                             round_ms=total_ms,
-                            n_branch=record.n_branch,
                             fresh_tokens=drafted.fresh,
                             fresh_ms=drafted.fresh_ms,
                             resynced=drafted.resynced,

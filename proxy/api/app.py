@@ -63,8 +63,6 @@ class ProxyState:
     early_draft: bool = True  # draft the next round as soon as a verify result is back
     overlap: str = "auto"  # auto | on | off (proxy.overlap_policy)
     plain_runs: str = "auto"  # auto | off (proxy.plain_runs)
-    predraft: bool = False  # draft after the likeliest runner-up during verification
-    branch_prompts: int = 0  # most prompts per round verifying a runner-up's line
 
     # reliability and security
     guard: GuardSettings = field(default_factory=GuardSettings)
@@ -146,8 +144,6 @@ async def build_state(
     adaptive_k: bool = True,
     overlap: str = "auto",
     plain_runs: str = "auto",
-    predraft: bool = False,
-    branch_prompts: int = 0,
     **reliability: Any,
 ) -> ProxyState:
     """Read the server's facts (props, settings template) and assemble the state.
@@ -181,8 +177,6 @@ async def build_state(
         adaptive_k=adaptive_k,
         overlap=overlap,
         plain_runs=plain_runs,
-        predraft=predraft,
-        branch_prompts=branch_prompts,
         **reliability,
     )
 
@@ -465,8 +459,6 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
                 sampling=params.sampling,
                 adaptive=state.adaptive_k,
                 overlap=state.overlap != "off",
-                predraft=state.predraft,
-                branch_prompts=state.branch_prompts,
                 early_draft=state.early_draft,
             ),
             n_ctx=state.n_ctx,

@@ -184,6 +184,15 @@ def test_policy_fits_the_verify_slope():
     assert policy.verify_slope_ms() == pytest.approx(2.5)
 
 
+def test_slots_to_copy_follow_the_rounds():
+    policy = DraftLengthPolicy(6)
+    assert policy.slots_to_copy() == 6  # nothing measured: every slot a round may use
+    for _ in range(8):
+        policy.observe(RoundCosts([0.9], 1, 2, 2.0, 20.0, 30.0))
+    assert policy.slots_to_copy() == 2  # rounds of 2 prompts: their slots, plus one
+    assert DraftLengthPolicy(6, adaptive=False).slots_to_copy() == 6
+
+
 def run_rounds(policy, rounds: int, penalty_ms: float, draft_ms_per_token: float, hit: float):
     """Rounds of 2 drafts; drafting ahead slows verification by `penalty_ms` and leaves
     the next draft ready with probability `hit` (else it waits for half a token more)."""
@@ -565,9 +574,9 @@ async def test_round_timeline_adds_up_and_sees_the_drafter_work_during_verificat
     from tests.proxy.test_units import FakeUpstream
 
     class SlowUpstream(FakeUpstream):
-        async def verify(self, context, draft, branch=None):
+        async def verify(self, context, draft):
             await asyncio.sleep(0.03)
-            return await super().verify(context, draft, branch)
+            return await super().verify(context, draft)
 
     class SlowSession(ScriptSession):
         def propose(self, k, sampling=GREEDY, rng=None, cancel=None) -> Draft:

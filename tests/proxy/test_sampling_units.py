@@ -157,8 +157,7 @@ class FakeSamplingUpstream:
     def __init__(self) -> None:
         self.bodies: list[tuple[int, list[int], int]] = []
 
-    async def verify(self, context, draft, sampling=None, seed=0, branch=None):
-        assert branch is None, "sampling rounds never branch"
+    async def verify(self, context, draft, sampling=None, seed=0):
         assert sampling is not None
         self.bodies.append((len(context), list(draft), seed))
         # the server's own draw is always 20 here; the engine draws its own tokens

@@ -121,15 +121,11 @@ class FakeUpstream:
     def _next(self, sequence: list[int], n_prompt: int) -> int:
         return self.script[len(sequence) - n_prompt]
 
-    async def verify(self, context, draft, branch=None):
+    async def verify(self, context, draft):
         self.calls.append((len(context), list(draft)))
         self.decodes += 1
         n_prompt = 2
         prompts = [list(context) + list(draft[:i]) for i in range(len(draft) + 1)]
-        if branch is not None:
-            position, tokens = branch
-            stem = list(context) + list(draft[:position])
-            prompts += [stem + list(tokens[: i + 1]) for i in range(len(tokens))]
         results = []
         for prompt in prompts:
             token = self._next(prompt, n_prompt)
