@@ -24,9 +24,8 @@ import time
 from dataclasses import dataclass
 
 from npu_draft.oracle import OracleConfig, OracleDraftModel
-from proxy.draft_length import DraftLengthPolicy
-from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams
-from proxy.overlap_policy import OverlapPolicy
+from proxy.engine import AsyncSessionDrafter, EngineSettings, Generation, GenerationParams
+from proxy.policies import DraftLengthPolicy, OverlapPolicy, Policies
 from proxy.server_text import PieceCache
 from proxy.upstream import VerifyResult
 
@@ -74,28 +73,26 @@ async def run_config(name: str, options: dict[str, str], args) -> dict:
         [(prompt, script)],
         OracleConfig(acceptance=args.acceptance, delay_ms=args.delay_ms, vocab_size=60000),
     )
-    adaptive = options.get("adaptive", "1") == "1"
-    try:
-        policy = DraftLengthPolicy(k_max, adaptive, options.get("draft_length", "formula"))
-    except TypeError:  # an engine without the formula rule
-        policy = DraftLengthPolicy(k_max, adaptive)
-    overlap = options.get("overlap", "on")
-    overlap_policy = OverlapPolicy(overlap)
-    extra = {}
-    if "early_draft" in options:
-        extra["early_draft"] = options["early_draft"] == "1"
+    settings = EngineSettings(
+        k=k_max,
+        adaptive=options.get("adaptive", "1") == "1",
+        overlap=options.get("overlap", "on"),  # type: ignore[arg-type]
+        early_draft=options.get("early_draft", "1") == "1",
+    )
+    rule = options.get("draft_length", "formula")
+    policies = Policies(
+        DraftLengthPolicy(k_max, settings.adaptive, rule),  # type: ignore[arg-type]
+        OverlapPolicy(settings.overlap),
+    )
     server = SimServer(script, n_prompt, args.verify)
     tokens = 0
     rounds = []
     wall = 0.0
     for _ in range(args.requests):
-        params = GenerationParams(
-            n_predict=args.n_predict, k=k_max, adaptive=adaptive, overlap=overlap != "off",
-            **extra,
-        )  # fmt: skip
         generation = Generation(
-            server, prompt, params, 100000, AsyncSessionDrafter(model.open_session()),
-            PieceCache(server), policy=policy, overlap_policy=overlap_policy,
+            server, prompt, GenerationParams(n_predict=args.n_predict), 100000,
+            AsyncSessionDrafter(model.open_session()), PieceCache(server),
+            settings=settings, policies=policies,
         )  # fmt: skip
         started = time.perf_counter()
         out = [event.token async for event in generation.run()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.engine import GenerationParams, SlotReplicator
+from proxy.engine import EngineSettings, GenerationParams, SlotReplicator
 from proxy.upstream import UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import (
@@ -127,10 +127,9 @@ async def test_engine_one_decode_per_round(spec_server, reference_drafter, http,
             prompt,
             # Fixed draft length (the adaptive rule may cut drafts on measured timings
             # after three rounds): the rounds then follow from acceptance alone.
-            GenerationParams(n_predict=30, k=k, adaptive=False),
+            GenerationParams(n_predict=30),
             RecordingDrafter(reference_drafter(), drafts),
-            check_decodes=True,
-            strict_decodes=True,
+            settings=EngineSettings(k=k, adaptive=False, check_decodes=True, strict_decodes=True),
         )
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     assert [r.decodes for r in result.rounds] == [1] * len(result.rounds)
@@ -271,10 +270,9 @@ async def test_cold_start_copies_the_prefilled_slot(
         tokens, result = await generate(
             upstream,
             prompt,
-            GenerationParams(n_predict=16, k=k),
+            GenerationParams(n_predict=16),
             reference_drafter(),
-            check_decodes=True,
-            strict_decodes=True,
+            settings=EngineSettings(k=k, check_decodes=True, strict_decodes=True),
             replicator=replicator,
             slot_file="npu-spec-test-cold-start.bin",
         )

@@ -12,7 +12,7 @@ from proxy.api.requests import NotEligible, parse_chat, parse_completion, parse_
 from proxy.api.shapes import split_reasoning, thinking_prefix
 from proxy.config import ProxySettings, load_settings
 from proxy.drafting import DrafterBase
-from proxy.engine import Generation, GenerationParams
+from proxy.engine import EngineSettings, Generation, GenerationParams
 from proxy.managed import ServerLayout, verification_flags
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SchedulerBusy, SlotScheduler
@@ -159,12 +159,11 @@ async def _run(upstream, drafter, n_predict=-1, k=4, n_ctx=1000, stop=()):
     generation = Generation(
         upstream,
         [1, 2],
-        GenerationParams(n_predict=n_predict, stop=list(stop), k=k),
+        GenerationParams(n_predict=n_predict, stop=list(stop)),
         n_ctx=n_ctx,
         drafter=drafter,
         pieces=PieceCache(upstream),
-        check_decodes=True,
-        strict_decodes=True,
+        settings=EngineSettings(k=k, check_decodes=True, strict_decodes=True),
     )
     tokens = [event.token async for event in generation.run()]
     return tokens, generation.result
@@ -223,8 +222,8 @@ async def test_engine_falls_back_to_plain_decoding_when_the_drafter_fails():
     upstream = FakeUpstream(script)
     metrics = ProxyMetrics()
     generation = Generation(
-        upstream, [1, 2], GenerationParams(n_predict=5, k=4), 1000, BrokenDrafter(),
-        PieceCache(upstream), observer=metrics,
+        upstream, [1, 2], GenerationParams(n_predict=5), 1000, BrokenDrafter(),
+        PieceCache(upstream), observer=metrics, settings=EngineSettings(k=4),
     )  # fmt: skip
     tokens = [event.token async for event in generation.run()]
     assert tokens == script[:5]
@@ -401,8 +400,9 @@ async def test_replication_failure_only_costs_speed():
     upstream = NoSlotSave(script)
     replicator = SlotReplicator(upstream, min_prompt=1)
     generation = Generation(
-        upstream, [1, 2], GenerationParams(n_predict=8, k=3), 1000,
+        upstream, [1, 2], GenerationParams(n_predict=8), 1000,
         ScriptDrafter(script, 2), PieceCache(upstream), replicator=replicator,
+        settings=EngineSettings(k=3),
     )  # fmt: skip
     tokens = [event.token async for event in generation.run()]
     assert tokens == script[:8] and not replicator.available

@@ -29,11 +29,12 @@ changes nothing (each later position gains less and costs the same).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from proxy.engine.records import RoundRecord
 
 # uniform: one length, the k that maximises expected tokens per expected round time
 # (see `round_ms_model`); formula: the same with two lengths where drafting ahead is on,
@@ -55,27 +56,10 @@ def _ema(old: float | None, new: float, alpha: float = _ALPHA) -> float:
     return new if old is None else old + alpha * (new - old)
 
 
-@dataclass
-class RoundCosts:
-    """What one verified round tells the policy."""
-
-    probs: Sequence[float]  # the draft's p for each drafted token, in order
-    n_accepted: int
-    n_committed: int
-    draft_ms: float  # drafting the round waited for (not what overlapped)
-    verify_ms: float
-    round_ms: float
-    # what the drafter itself spent on the tokens it drafted fresh for this round (not
-    # taken from drafting ahead), and whether the round started with a re-sync (no line
-    # held the committed sequence: a miss, or no drafting ahead)
-    fresh_tokens: int = 0
-    fresh_ms: float = 0.0
-    resynced: bool = False
-    overhead_ms: float = 0.0  # the proxy's own time in the round
-
-
 class DraftLengthPolicy:
-    """Chooses each round's draft length; shared by the requests of one proxy."""
+    """Chooses each round's draft length (`decide`, then `worth` per position while
+    drafting) from the rounds it observed (`observe`); shared by the requests of one
+    proxy."""
 
     def __init__(self, k_max: int, adaptive: bool = True, rule: LengthRule = "formula") -> None:
         if rule not in ("formula", "uniform", "marginal"):
@@ -108,6 +92,11 @@ class DraftLengthPolicy:
         self._by_length: dict[int, tuple[float, int]] = {}  # n -> (mean verify ms, rounds)
         self._slope = _PRIOR_VERIFY_SLOPE_MS
         self.prompts_per_round: float | None = None  # verify prompts (slots) per round
+
+    def decide(self, ahead: bool) -> tuple[int, int]:
+        """(the most drafts the next round should send, the most where it drafts them
+        fresh), for rounds that draft ahead or not."""
+        return self.length(ahead), self.fresh_length(ahead)
 
     def length(self, ahead: bool) -> int:
         """The most drafts the next round should send: k_max until measured, or in
@@ -284,35 +273,43 @@ class DraftLengthPolicy:
                 return min(max(slope, 0.0), 20.0)
         return _PRIOR_VERIFY_SLOPE_MS
 
-    def observe(self, costs: RoundCosts) -> None:
-        n = len(costs.probs)  # prompts - 1: what the verify time follows
-        if not n:
+    def observe(self, record: RoundRecord) -> None:
+        """A finished round. Only a steady verify round with the draft's p counts: a
+        plain run has no draft, and the verify time of a first round (prefilling) or of
+        one whose slots catch up after plain runs says nothing about the draft length."""
+        probs = record.draft_probs
+        n = len(probs)  # prompts - 1: what the verify time follows
+        if record.plain_run or record.first or record.catch_up or not n:
             return
-        expected = float(np.cumprod(np.asarray(costs.probs, dtype=np.float64)).sum())
-        self._accepted = _ema(self._accepted, costs.n_accepted)
+        expected = float(np.cumprod(np.asarray(probs, dtype=np.float64)).sum())
+        self._accepted = _ema(self._accepted, record.n_accepted)
         self._expected = _ema(self._expected, expected)
         self.calibration = min(max((self._accepted + 0.1) / (self._expected + 0.1), 0.05), 4.0)
-        self.round_ms = _ema(self.round_ms, costs.round_ms)
-        self.tokens_per_round = _ema(self.tokens_per_round, costs.n_committed)
+        self.round_ms = _ema(self.round_ms, record.round_ms)
+        self.tokens_per_round = _ema(self.tokens_per_round, record.n_committed)
         self.prompts_per_round = _ema(self.prompts_per_round, n + 1)
-        self.draft_ms_per_token = _ema(self.draft_ms_per_token, costs.draft_ms / n)
-        self._verify.append((n, costs.verify_ms))
-        self._slope = self._fit_slope()
-        mean, count = self._by_length.get(n, (costs.verify_ms, 0))
-        self._by_length[n] = (mean + (costs.verify_ms - mean) / min(count + 1, 16), count + 1)
-        rejected = costs.n_accepted < len(costs.probs)
+        self.draft_ms_per_token = _ema(self.draft_ms_per_token, record.draft_ms / n)
+        self._observe_verify(n, record.verify_ms)
+        rejected = record.n_accepted < n
         weight = max(1.0 / (self.rounds + 1), _ACCEPT_ALPHA)  # a plain mean at first
-        self._successes = _ema(self._successes, costs.n_accepted, weight)
+        self._successes = _ema(self._successes, record.n_accepted, weight)
         self._failures = _ema(self._failures, 1.0 if rejected else 0.0, weight)
-        if costs.fresh_tokens > 0:
-            self.token_ms = _ema(self.token_ms, costs.fresh_ms / costs.fresh_tokens)
-        if costs.resynced:  # what the round waited for beyond drafting its tokens
+        if record.fresh_tokens > 0:
+            self.token_ms = _ema(self.token_ms, record.fresh_ms / record.fresh_tokens)
+        if record.resynced:  # what the round waited for beyond drafting its tokens
             # (negative where an early draft hid part of the drafting behind the proxy's
             # own work on the previous round)
-            self.resync_ms = _ema(self.resync_ms, costs.draft_ms - costs.fresh_ms)
-        self.proxy_ms = _ema(self.proxy_ms, costs.overhead_ms)
+            self.resync_ms = _ema(self.resync_ms, record.draft_ms - record.fresh_ms)
+        self.proxy_ms = _ema(self.proxy_ms, record.overhead_ms)
         self._best = self._two = None
         self.rounds += 1
+
+    def _observe_verify(self, n: int, verify_ms: float) -> None:
+        """The verify time of a round of n drafts: the slope fit and the per-length mean."""
+        self._verify.append((n, verify_ms))
+        self._slope = self._fit_slope()
+        mean, count = self._by_length.get(n, (verify_ms, 0))
+        self._by_length[n] = (mean + (verify_ms - mean) / min(count + 1, 16), count + 1)
 
     def snapshot(self) -> dict[str, float | int | None]:
         return {
