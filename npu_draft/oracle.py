@@ -104,18 +104,12 @@ class Reference:
 class OracleConfig:
     acceptance: float = 1.0
     delay_ms: float = 0.0
-    # share of wrong drafts whose runner-up is the target's token (0: no runner-ups)
-    runner_up_hit: float = 0.0
     seed: int = 0
     vocab_size: int = QWEN_VOCAB
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.acceptance <= 1.0:
             raise ValueError(f"oracle acceptance {self.acceptance} is not in [0, 1]")
-        if not 0.0 <= self.runner_up_hit <= 1.0:
-            raise ValueError(f"oracle runner_up_hit {self.runner_up_hit} is not in [0, 1]")
-        if self.runner_up_hit > 0 and self.vocab_size < 3:
-            raise ValueError("oracle runner-ups need vocab_size >= 3")
         if self.delay_ms < 0:
             raise ValueError(f"oracle delay {self.delay_ms} ms is negative")
         if self.vocab_size < 2:
@@ -132,22 +126,6 @@ def drafted_token(config: OracleConfig, ref: Reference, position: int) -> int:
     # Any other id, chosen by a second hash: guaranteed to differ from the truth.
     offset = 1 + _mix64(h) % (config.vocab_size - 1)
     return (true_token + offset) % config.vocab_size
-
-
-def runner_up(config: OracleConfig, ref: Reference, position: int) -> int:
-    """The oracle's second choice at `position`: after a wrong draft, the target's own
-    token with probability runner_up_hit; otherwise (and after a right one) a wrong id."""
-    true_token = ref.continuation[position]
-    h = _mix64(_mix64((config.seed ^ 0x5EED) & _MASK64) ^ ref.key ^ _mix64(position))
-    drafted = drafted_token(config, ref, position)
-    if drafted != true_token and (h >> 11) / float(1 << 53) < config.runner_up_hit:
-        return true_token
-    offset = 1 + _mix64(h) % (config.vocab_size - 2)
-    for extra in range(3):  # an id that is neither the target's token nor the draft
-        other = (true_token + offset + extra) % config.vocab_size
-        if other not in (true_token, drafted):
-            return other
-    raise AssertionError("unreachable: three consecutive ids")
 
 
 class OracleDraftSession:
@@ -216,9 +194,6 @@ class OracleDraftSession:
             token = drafted_token(config, ref, position + step)
             draft.tokens.append(token)
             draft.probs.append(1.0)
-            if config.runner_up_hit > 0 and sampling.greedy:
-                alt_p = (1.0 - config.acceptance) * config.runner_up_hit
-                draft.alternatives.append((runner_up(config, ref, position + step), alt_p))
             if draft.dists is not None:  # a point mass: the target accepts with p(x)
                 draft.dists.append(
                     SparseDist(np.array([token], np.int64), np.array([1.0], np.float64))
@@ -269,7 +244,6 @@ class OracleDraftModel:
         config = OracleConfig(
             acceptance=float(data.get("acceptance", 1.0)),
             delay_ms=float(data.get("delay_ms", 0.0)),
-            runner_up_hit=float(data.get("runner_up_hit", 0.0)),
             seed=int(data.get("seed", 0)),
             vocab_size=int(data.get("vocab_size", QWEN_VOCAB)),
         )
@@ -298,7 +272,6 @@ def write_oracle_folder(
     data = {
         "acceptance": config.acceptance,
         "delay_ms": config.delay_ms,
-        "runner_up_hit": config.runner_up_hit,
         "seed": config.seed,
         "vocab_size": config.vocab_size,
         "references": [[list(map(int, p)), list(map(int, c))] for p, c in references],

@@ -67,16 +67,12 @@ class Draft:
     probs[i] is the draft's probability of tokens[i]: the plain softmax at
     temperature 1 in greedy mode (a confidence for choosing k), the probability
     under the sampling chain in sampling mode. dists[i] is the whole draft
-    distribution q at position i in sampling mode, else None. alternatives[i] is the
-    greedy runner-up at position i and its probability, where the backend has logits
-    (greedy mode only; empty otherwise): the proxy pre-drafts and verifies it as a
-    branch where the draft is unsure.
+    distribution q at position i in sampling mode, else None.
     """
 
     tokens: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
     dists: list[SparseDist] | None = None
-    alternatives: list[tuple[int, float]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)

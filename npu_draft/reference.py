@@ -25,7 +25,7 @@ from npu_draft.protocol import (
     SyncStats,
     common_prefix_length,
 )
-from npu_draft.sampling import greedy_top2
+from npu_draft.sampling import greedy_choice
 
 
 @dataclass(frozen=True)
@@ -204,10 +204,9 @@ class ReferenceDraftSession:
             if len(self._tokens) >= self._cache.keys.shape[2]:
                 break
             logits = self.next_logits()
-            token, prob, second = greedy_top2(logits)
+            token, prob = greedy_choice(logits)
             draft.tokens.append(token)
             draft.probs.append(prob)
-            draft.alternatives.append(second)
             self._logits = self._model.forward([token], self._cache)[-1]
             self._tokens.append(token)
         return draft

@@ -26,19 +26,9 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 def greedy_choice(logits: np.ndarray) -> tuple[int, float]:
     """The argmax token and its plain softmax probability (temperature 1)."""
-    token, prob, _ = greedy_top2(logits)
-    return token, prob
-
-
-def greedy_top2(logits: np.ndarray) -> tuple[int, float, tuple[int, float]]:
-    """(the argmax token, its plain softmax probability, (the runner-up, its p)) with
-    one pass of exp over the vocabulary, as greedy_choice alone costs."""
     token = int(np.argmax(logits))
     weights = np.exp(np.asarray(logits, dtype=np.float64) - float(logits[token]))
-    total = float(weights.sum())
-    weights[token] = -1.0
-    second = int(np.argmax(weights))
-    return token, 1.0 / total, (second, float(weights[second]) / total)
+    return token, 1.0 / float(weights.sum())
 
 
 def sampling_distribution(logits: np.ndarray, params: SamplingParams) -> SparseDist:
@@ -107,11 +97,10 @@ def choose_token(
 def draft_next(
     draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None
 ) -> int:
-    """Choose the token after `logits` and append it to `draft` with its probability,
-    its distribution (sampling mode) or the runner-up (greedy: same softmax pass)."""
+    """Choose the token after `logits` and append it to `draft` with its probability
+    and, in sampling mode, its distribution."""
     if params.greedy:
-        token, prob, second = greedy_top2(logits)
-        draft.alternatives.append(second)
+        token, prob = greedy_choice(logits)
     else:
         token, prob, dist = choose_token(logits, params, rng)
         if draft.dists is not None and dist is not None:

@@ -16,7 +16,6 @@ class Acceptance:
     n_accepted: int  # leading draft tokens the target agreed with
     tokens: list[int]  # what the round commits: accepted drafts + the target's own token
     n_drafted: int
-    via_branch: int = 0  # tokens committed beyond the main line's, through a branch
 
     @property
     def bonus(self) -> bool:
@@ -37,33 +36,6 @@ def greedy_accept(draft: Sequence[int], target: Sequence[int]) -> Acceptance:
     while n < len(draft) and draft[n] == target[n]:
         n += 1
     return Acceptance(n_accepted=n, tokens=[*draft[:n], target[n]], n_drafted=len(draft))
-
-
-def branch_accept(
-    draft: Sequence[int],
-    target: Sequence[int],
-    position: int,
-    branch: Sequence[int],
-    branch_target: Sequence[int],
-) -> Acceptance:
-    """The greedy rule with a verified branch: `branch` (its first token replacing
-    draft `position`) and branch_target[i], the target's token after the context plus
-    draft[:position] + branch[:i+1].
-
-    Where the main line stops exactly at `position` and the target's own token there is
-    branch[0], the target's tokens along the branch are plain greedy decoding too: the
-    round keeps going along it. Otherwise the branch is ignored.
-    """
-    main = greedy_accept(draft, target)
-    if len(branch_target) != len(branch):
-        raise ValueError(f"need {len(branch)} branch target tokens, got {len(branch_target)}")
-    if not branch or main.n_accepted != position or target[position] != branch[0]:
-        return main
-    rest = greedy_accept(branch[1:], branch_target)
-    tokens = [*draft[:position], branch[0], *rest.tokens]
-    return Acceptance(
-        main.n_accepted, tokens, len(draft), via_branch=len(tokens) - len(main.tokens)
-    )
 
 
 def accepted_per_position(n_accepted: int, n_drafted: int) -> list[bool]:

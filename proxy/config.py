@@ -50,18 +50,6 @@ class ProxySettings(BaseSettings):
         description="start the next round's draft as soon as a verify result is back, while "
         "the proxy commits the round's tokens (else when the next round starts)",
     )
-    predraft: bool = Field(
-        False,
-        description="while the server verifies, also draft after the draft's likeliest "
-        "runner-up (a correction or bonus the target may choose)",
-    )
-    branch_prompts: int = Field(
-        0,
-        ge=0,
-        le=8,
-        description="most extra prompts per round that verify a second continuation from "
-        "the draft's runner-up, where the measured costs say it pays (0: off)",
-    )
     plain_runs: Literal["auto", "off"] = Field(
         "auto",
         description="let llama-server decode alone while that is measured to be faster than "

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from npu_draft.protocol import CancelToken
-from proxy.drafting import AsyncDrafter, Branch, DrafterBase, GreedyDraft, StopRule
+from proxy.drafting import AsyncDrafter, DrafterBase, GreedyDraft, StopRule
 
 log = logging.getLogger(__name__)
 
@@ -58,21 +58,13 @@ class GuardedDrafter(DrafterBase):
         )  # fmt: skip
         return await self._bounded(call, k_max, lambda d: d.tokens)
 
-    async def extend(self, n_max: int, cancel: CancelToken, predraft: bool = False) -> int:
+    async def extend(self, n_max: int, cancel: CancelToken) -> int:
         """Drafting ahead; its tokens are checked when a later `draft` hands them out.
         An inner drafter that does not draft ahead is not asked (nothing to bound)."""
         if not self._inner.draft_ahead:
             return 0
-        call = self._inner.extend(n_max, cancel, predraft)
+        call = self._inner.extend(n_max, cancel)
         return await self._bounded(call, n_max, lambda _made: [])
-
-    async def branch(self, n_positions: int, n_tokens: int) -> Branch | None:
-        """A runner-up's line to verify beside the draft (None where the drafter has none)."""
-        return await self._bounded(
-            self._inner.branch(n_positions, n_tokens),
-            n_tokens,
-            lambda b: [] if b is None else b.tokens,
-        )
 
     async def propose_sampled(
         self, committed: Sequence[int], k: int, sampling: Any, rng: Any

@@ -43,21 +43,10 @@ class ContextTextCache:
         return text
 
 
-def verify_body_text(
-    context_text: str,
-    draft: Sequence[int],
-    params: dict[str, Any],
-    branch: tuple[int, Sequence[int]] | None = None,
-) -> str:
-    """`{"prompt": [ctx, ctx+d1, ..., ctx+d1..dk, *branch prompts], **params}` as JSON
-    text. A branch (position j, tokens b) adds the prompts ctx+d1..dj+b1..bi, i = 1..len(b)."""
-    suffixes = [draft[:i] for i in range(len(draft) + 1)]
-    if branch is not None:
-        position, tokens = branch
-        stem = list(draft[:position])
-        suffixes += [stem + list(tokens[:i]) for i in range(1, len(tokens) + 1)]
+def verify_body_text(context_text: str, draft: Sequence[int], params: dict[str, Any]) -> str:
+    """`{"prompt": [ctx, ctx+d1, ..., ctx+d1..dk], **params}` as JSON text."""
     prompts = []
-    for suffix_ids in suffixes:
+    for suffix_ids in (draft[:i] for i in range(len(draft) + 1)):
         suffix = ids_text(suffix_ids)
         joined = f"{context_text},{suffix}" if context_text and suffix else context_text or suffix
         prompts.append(f"[{joined}]")

@@ -128,27 +128,6 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
-        ("--predraft",),
-        {
-            "choices": ["on", "off"],
-            "dest": "predraft",
-            "help": "on: while the server verifies, also draft after the draft's likeliest "
-            "runner-up, so a round whose correction (or bonus) is that token starts with its "
-            "draft ready (default: off)",
-        },
-    ),
-    (
-        ("--branch-prompts",),
-        {
-            "type": int,
-            "metavar": "N",
-            "dest": "branch_prompts",
-            "help": "most extra prompts per round that verify a second continuation starting "
-            "at the draft's runner-up, used where the measured costs say it pays; they share "
-            "the round's k+1 slots; 0 is off (default: %(default)s)",
-        },
-    ),
-    (
         ("--plain-runs",),
         {
             "choices": ["auto", "off"],
@@ -619,8 +598,6 @@ async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> 
             early_draft=settings.early_draft,
             overlap=settings.overlap,
             plain_runs=settings.plain_runs,
-            predraft=settings.predraft,
-            branch_prompts=settings.branch_prompts,
             check_decodes=settings.check_decodes,
             strict_decodes=settings.strict_decodes,
             when_busy=settings.when_busy,

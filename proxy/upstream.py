@@ -365,26 +365,23 @@ class UpstreamClient:
         draft: Sequence[int],
         sampling: SamplingSpec | None = None,
         seed: int = 0,
-        branch: tuple[int, Sequence[int]] | None = None,
     ) -> list[VerifyResult]:
         """Score `draft` after `context` in one batched pass: one `/completion` of k+1 prompts.
 
         Returns k+1 results: result i is the target's next token after
         context + draft[:i] (greedy, or with `sampling` its own draw with `seed` plus
-        the full post-sampling distribution). A greedy `branch` (position j, tokens b)
-        adds one result per branch token: the target's token after
-        context + draft[:j] + b[:i+1]. No `id_slot`, no `n_cmpl`: each prompt must pick
-        the idle slot sharing its longest prefix.
+        the full post-sampling distribution). No `id_slot`, no `n_cmpl`: each prompt
+        must pick the idle slot sharing its longest prefix.
         """
         params = (
             GREEDY_VERIFY_PARAMS if sampling is None else sampling_verify_params(sampling, seed)
         )
-        body = RawJson(verify_body_text(self._contexts.text(list(context)), draft, params, branch))
+        body = RawJson(verify_body_text(self._contexts.text(list(context)), draft, params))
         payload = await self._request_json(
             "POST", "/completion", body, timeout=self.timeouts.verify
         )
         results = payload if isinstance(payload, list) else [payload]
-        n_prompts = len(draft) + 1 + (len(branch[1]) if branch is not None else 0)
+        n_prompts = len(draft) + 1
         if len(results) != n_prompts:
             raise UpstreamError(
                 self.base_url,

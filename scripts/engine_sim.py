@@ -12,7 +12,7 @@ best k, and against the naive-overlap model (proxy/bench/costmodel.py).
         --config 'marginal=draft_length=marginal early_draft=0'
 
 A config is NAME=space-separated key=value pairs: draft_length (formula|marginal),
-early_draft (0|1), overlap (auto|on|off), adaptive (0|1), k, predraft (0|1).
+early_draft (0|1), overlap (auto|on|off), adaptive (0|1), k.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import time
 from dataclasses import dataclass
 
 from npu_draft.oracle import OracleConfig, OracleDraftModel
-from proxy.draft_length import DraftLengthPolicy
-from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams
-from proxy.overlap_policy import OverlapPolicy
+from proxy.engine import AsyncSessionDrafter, EngineSettings, Generation, GenerationParams
+from proxy.policies import DraftLengthPolicy, OverlapPolicy, Policies
 from proxy.server_text import PieceCache
 from proxy.upstream import VerifyResult
 
@@ -39,7 +38,7 @@ class SimServer:
     n_prompt: int
     verify_ms: list[float]  # index k-1 -> ms (k = 0 costs the k = 1 time)
 
-    async def verify(self, context, draft, sampling=None, seed=0, branch=None):
+    async def verify(self, context, draft, sampling=None, seed=0):
         k = max(len(draft), 1)
         ms = self.verify_ms[min(k, len(self.verify_ms)) - 1]
         await asyncio.sleep(ms / 1e3)
@@ -72,37 +71,28 @@ async def run_config(name: str, options: dict[str, str], args) -> dict:
     prompt = list(range(1, n_prompt + 1))
     model = OracleDraftModel(
         [(prompt, script)],
-        OracleConfig(
-            acceptance=args.acceptance,
-            delay_ms=args.delay_ms,
-            vocab_size=60000,
-            runner_up_hit=args.runner_up_hit,
-        ),
+        OracleConfig(acceptance=args.acceptance, delay_ms=args.delay_ms, vocab_size=60000),
     )
-    adaptive = options.get("adaptive", "1") == "1"
-    try:
-        policy = DraftLengthPolicy(k_max, adaptive, options.get("draft_length", "formula"))
-    except TypeError:  # an engine without the formula rule
-        policy = DraftLengthPolicy(k_max, adaptive)
-    overlap = options.get("overlap", "on")
-    overlap_policy = OverlapPolicy(overlap)
-    extra = {}
-    if "early_draft" in options:
-        extra["early_draft"] = options["early_draft"] == "1"
-    if "predraft" in options:
-        extra["predraft"] = options["predraft"] == "1"
+    settings = EngineSettings(
+        k=k_max,
+        adaptive=options.get("adaptive", "1") == "1",
+        overlap=options.get("overlap", "on"),  # type: ignore[arg-type]
+        early_draft=options.get("early_draft", "1") == "1",
+    )
+    rule = options.get("draft_length", "formula")
+    policies = Policies(
+        DraftLengthPolicy(k_max, settings.adaptive, rule),  # type: ignore[arg-type]
+        OverlapPolicy(settings.overlap),
+    )
     server = SimServer(script, n_prompt, args.verify)
     tokens = 0
     rounds = []
     wall = 0.0
     for _ in range(args.requests):
-        params = GenerationParams(
-            n_predict=args.n_predict, k=k_max, adaptive=adaptive, overlap=overlap != "off",
-            **extra,
-        )  # fmt: skip
         generation = Generation(
-            server, prompt, params, 100000, AsyncSessionDrafter(model.open_session()),
-            PieceCache(server), policy=policy, overlap_policy=overlap_policy,
+            server, prompt, GenerationParams(n_predict=args.n_predict), 100000,
+            AsyncSessionDrafter(model.open_session()), PieceCache(server),
+            settings=settings, policies=policies,
         )  # fmt: skip
         started = time.perf_counter()
         out = [event.token async for event in generation.run()]
@@ -136,10 +126,6 @@ async def main() -> None:
     parser.add_argument("--verify-ms", required=True, help="t_v(k) for k = 1, 2, ...")
     parser.add_argument("--delay-ms", type=float, default=2.5)
     parser.add_argument("--acceptance", type=float, default=0.77)
-    parser.add_argument(
-        "--runner-up-hit", type=float, default=0.0,
-        help="share of wrong drafts whose oracle runner-up is the target's token",
-    )  # fmt: skip
     parser.add_argument("-k", type=int, default=6)
     parser.add_argument("-n", "--n-predict", type=int, default=200)
     parser.add_argument("--requests", type=int, default=3)

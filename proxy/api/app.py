@@ -25,18 +25,17 @@ from proxy.api.guard import (
 from proxy.api.passthrough import HEADER, forward
 from proxy.api.requests import NotEligible, PromptSpec, parse_chat, parse_completion
 from proxy.api.tool_calls import ToolTriggers, fallback_events, server_stream
-from proxy.draft_length import DraftLengthPolicy
 from proxy.drafter_guard import DrafterSupervisor
 from proxy.engine import (
     AsyncDrafter,
+    EngineSettings,
     Generation,
     GenerationParams,
     GenerationResult,
     SlotReplicator,
 )
 from proxy.metrics import ProxyMetrics
-from proxy.overlap_policy import OverlapPolicy
-from proxy.plain_runs import PlainRunGate
+from proxy.policies import DraftLengthPolicy, OverlapPolicy, PlainRunGate, Policies
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
 from proxy.server_text import PieceCache, TokenEvent
 from proxy.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
@@ -59,12 +58,10 @@ class ProxyState:
 
     replicate_prefill: bool = True
     adaptive_k: bool = True
-    draft_length: str = "formula"  # formula | marginal (proxy.draft_length)
+    draft_length: str = "formula"  # formula | marginal (proxy.policies.draft_length)
     early_draft: bool = True  # draft the next round as soon as a verify result is back
-    overlap: str = "auto"  # auto | on | off (proxy.overlap_policy)
-    plain_runs: str = "auto"  # auto | off (proxy.plain_runs)
-    predraft: bool = False  # draft after the likeliest runner-up during verification
-    branch_prompts: int = 0  # most prompts per round verifying a runner-up's line
+    overlap: str = "auto"  # auto | on | off (proxy.policies.overlap)
+    plain_runs: str = "auto"  # auto | off (proxy.policies.plain_runs)
 
     # reliability and security
     guard: GuardSettings = field(default_factory=GuardSettings)
@@ -88,6 +85,14 @@ class ProxyState:
         # Slot files the proxy writes: generated names, unguessable, and refused to
         # clients (guard.RESERVED_SLOT_PREFIX), so no request can swap their contents.
         self.slot_file_stem = f"{RESERVED_SLOT_PREFIX}{secrets.token_hex(8)}"
+        self.engine_settings = EngineSettings(
+            k=self.k,
+            adaptive=self.adaptive_k,
+            overlap=self.overlap,
+            early_draft=self.early_draft,
+            check_decodes=self.check_decodes,
+            strict_decodes=self.strict_decodes,
+        )
         self.draft_lengths = DraftLengthPolicy(self.k, self.adaptive_k, self.draft_length)
         self.overlap_policy = OverlapPolicy(self.overlap)
         # one gate per mode: a sampling round costs more (the server sends its
@@ -146,8 +151,6 @@ async def build_state(
     adaptive_k: bool = True,
     overlap: str = "auto",
     plain_runs: str = "auto",
-    predraft: bool = False,
-    branch_prompts: int = 0,
     **reliability: Any,
 ) -> ProxyState:
     """Read the server's facts (props, settings template) and assemble the state.
@@ -181,8 +184,6 @@ async def build_state(
         adaptive_k=adaptive_k,
         overlap=overlap,
         plain_runs=plain_runs,
-        predraft=predraft,
-        branch_prompts=branch_prompts,
         **reliability,
     )
 
@@ -461,26 +462,19 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
             GenerationParams(
                 n_predict=params.n_predict,
                 stop=params.stop + [t for t in triggers if t not in params.stop],
-                k=state.k,
                 sampling=params.sampling,
-                adaptive=state.adaptive_k,
-                overlap=state.overlap != "off",
-                predraft=state.predraft,
-                branch_prompts=state.branch_prompts,
-                early_draft=state.early_draft,
             ),
             n_ctx=state.n_ctx,
             drafter=await state.drafters.open(),
             pieces=state.pieces,
             observer=state.metrics,
-            check_decodes=state.check_decodes,
-            strict_decodes=state.strict_decodes,
+            settings=state.engine_settings,
             request_id=request_id,
             replicator=state.replicator,
             slot_file=f"{state.slot_file_stem}-g{group}.bin",  # one file per group
-            policy=state.draft_lengths,
-            overlap_policy=state.overlap_policy,
-            plain_runs=_run_gate(state, params.sampling),
+            policies=Policies(
+                state.draft_lengths, state.overlap_policy, _run_gate(state, params.sampling)
+            ),
         )
         log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, len(tokens))
         tool_call = ToolCallStart(triggers, params.stop, body)

@@ -9,7 +9,7 @@ COLUMNS = [
     ("ideal (k)", 10), ("overlap (k)", 11), ("meas/ideal", 10), ("meas/overlap", 12),
     ("t_d ms", 6),
     ("TTFT ms", 8), ("plain run", 9), ("accept", 6), ("acc/rnd", 7), ("k/rnd", 5), ("a iid", 5),
-    ("accept by position", 24), ("branch p/t", 10),
+    ("accept by position", 24),
     ("draft/verify/ovh ms", 20), ("dec/rnd", 7), ("pred turns|ovl", 15), ("meas/pred", 9),
     ("RSS MB srv+proxy", 16), ("GPU MB", 7), ("=plain", 7),
 ]  # fmt: skip
@@ -67,9 +67,6 @@ def _row(entry: dict[str, Any]) -> list[str]:
         _f(s.get("drafted_per_round"), 2),
         _f(s.get("acceptance_iid"), 2),
         positions or "-",
-        f"{_f(s.get('branch_prompts_per_round'), 2)}/{_f(s.get('branch_tokens_per_round'), 2)}"
-        if s.get("branch_prompts_per_round")
-        else "-",
         split,
         _f(s.get("decodes_per_round"), 2),
         pred,
@@ -121,8 +118,6 @@ def render_table(result: dict[str, Any]) -> str:
         "logits show to be a near-tie (gap < 0.02); dec/rnd: llama_decode calls per round "
         "(plain: per token); k/rnd: drafts per round (adaptive k chooses up to k); plain run: "
         "share of the output llama-server decoded alone (the per-round columns and the cost "
-        "model describe the speculative rounds only, so no meas/pred is given with plain runs); "
-        "branch p/t: prompts per round verifying a runner-up's line / tokens per round it "
-        "committed.",
+        "model describe the speculative rounds only, so no meas/pred is given with plain runs).",
     ]
     return "\n".join([*lines, "", *notes])

@@ -61,8 +61,6 @@ def _proxy_counters(d: dict[str, float]) -> dict[str, Any]:
         # verify rounds only: a plain run decodes once per token it generates
         "decodes": round(d.get(DECODES, 0) - d.get("npu_spec_plain_run_tokens_total", 0)),
         "plain_run_tokens": round(d.get("npu_spec_plain_run_tokens_total", 0)),
-        "branch_prompts": round(d.get("npu_spec_branch_prompts_total", 0)),
-        "branch_tokens": round(d.get("npu_spec_branch_tokens_total", 0)),
         # requests that fell back to plain decoding: a broken drafter must not pass
         # for a slow one
         "drafter_failures": round(d.get("npu_spec_drafter_failures_total", 0)),
@@ -173,17 +171,6 @@ def summarize(
         "plain_run_share": _ratio(
             sum(r["stats"].get("plain_run_tokens", 0) for r in runs),
             sum(r["n_generated"] for r in runs),
-        )
-        if kind in ("proxy", "oracle")
-        else None,
-        # runner-up branches (proxy.drafting.Branch): prompts and committed tokens per round
-        "branch_prompts_per_round": _ratio(
-            sum(r["stats"].get("branch_prompts", 0) for r in runs), rounds
-        )
-        if kind in ("proxy", "oracle")
-        else None,
-        "branch_tokens_per_round": _ratio(
-            sum(r["stats"].get("branch_tokens", 0) for r in runs), rounds
         )
         if kind in ("proxy", "oracle")
         else None,

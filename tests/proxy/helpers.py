@@ -241,42 +241,6 @@ async def assert_rejections_are_near_ties(
     return found
 
 
-class RunnerUpFirstSession:
-    """Wraps a greedy draft session: proposes its runner-up at each position and names
-    its best token as the alternative, so that a target with the draft's weights rejects
-    the draft and takes the alternative (a branch test that cannot pass by luck)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        return self._inner.tokens
-
-    def sync(self, tokens: Sequence[int]) -> Any:
-        return self._inner.sync(tokens)
-
-    def propose(self, k: int, sampling: Any = None, rng: Any = None, cancel: Any = None) -> Any:
-        from npu_draft.protocol import Draft
-        from npu_draft.sampling import greedy_top2
-
-        draft = Draft()
-        for _ in range(k):
-            logits = self._inner.next_logits()
-            best, best_p, (second, second_p) = greedy_top2(logits)
-            draft.tokens.append(second)
-            draft.probs.append(second_p)
-            draft.alternatives.append((best, best_p))
-            self._inner.sync([*self._inner.tokens, second])
-        return draft
-
-    def next_logits(self) -> Any:
-        return self._inner.next_logits()
-
-    def close(self) -> None:
-        self._inner.close()
-
-
 class RecordingDrafter(DrafterBase):
     """A drafter that keeps each draft it hands out, keyed by the length of the
     context it followed (distinct for every round of one generation)."""
@@ -298,11 +262,8 @@ class RecordingDrafter(DrafterBase):
         self.drafts[len(committed)] = list(out.tokens)
         return out
 
-    async def extend(self, n_max: int, cancel: Any, predraft: bool = False) -> int:
-        return await self._inner.extend(n_max, cancel, predraft)
-
-    async def branch(self, n_positions: int, n_tokens: int) -> Any:
-        return await self._inner.branch(n_positions, n_tokens)
+    async def extend(self, n_max: int, cancel: Any) -> int:
+        return await self._inner.extend(n_max, cancel)
 
     async def propose_sampled(self, committed: Sequence[int], k: int, sampling: Any, rng: Any):
         return await self._inner.propose_sampled(committed, k, sampling, rng)

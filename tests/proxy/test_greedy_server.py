@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.drafting import AsyncSessionDrafter
-from proxy.engine import GenerationParams, SlotReplicator
+from proxy.engine import EngineSettings, GenerationParams, SlotReplicator
 from proxy.upstream import UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import (
     RecordingDrafter,
-    RunnerUpFirstSession,
     assert_greedy_equal,
     assert_rejections_are_near_ties,
     generate,
@@ -129,10 +127,9 @@ async def test_engine_one_decode_per_round(spec_server, reference_drafter, http,
             prompt,
             # Fixed draft length (the adaptive rule may cut drafts on measured timings
             # after three rounds): the rounds then follow from acceptance alone.
-            GenerationParams(n_predict=30, k=k, adaptive=False),
+            GenerationParams(n_predict=30),
             RecordingDrafter(reference_drafter(), drafts),
-            check_decodes=True,
-            strict_decodes=True,
+            settings=EngineSettings(k=k, adaptive=False, check_decodes=True, strict_decodes=True),
         )
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     assert [r.decodes for r in result.rounds] == [1] * len(result.rounds)
@@ -273,10 +270,9 @@ async def test_cold_start_copies_the_prefilled_slot(
         tokens, result = await generate(
             upstream,
             prompt,
-            GenerationParams(n_predict=16, k=k),
+            GenerationParams(n_predict=16),
             reference_drafter(),
-            check_decodes=True,
-            strict_decodes=True,
+            settings=EngineSettings(k=k, check_decodes=True, strict_decodes=True),
             replicator=replicator,
             slot_file="npu-spec-test-cold-start.bin",
         )
@@ -333,73 +329,3 @@ async def test_mismatch_explained_by_the_servers_top2(http, ref_server):
     ]
     tight = await explain_mismatch(http, ref_server, prompt, expected, runner_up, 1, gap / 2)
     assert not tight["near_tie"] or gap == 0
-
-
-@pytest.mark.parametrize("drafter", ["reference:noisy:0.05", "onnx"])
-async def test_branches_and_predrafting_are_lossless(
-    http, ref_server, spec_server, drafter_for, drafter
-):
-    """Fixed k = 4 with two branch prompts: each round verifies three drafts and the
-    runner-up's line in one batch; drafting ahead also follows runner-ups."""
-    body = {"prompt": PROMPTS[2], "n_predict": 64, "temperature": 0, "return_tokens": True}
-    expected = await post_json(http, ref_server + "/completion", body)
-    prompt = await tokenize(http, ref_server, PROMPTS[2])
-    async with run_proxy(
-        spec_server,
-        drafter_for(drafter),
-        4,
-        check_decodes=True,
-        adaptive_k=False,
-        overlap="on",
-        predraft=True,
-        branch_prompts=2,
-        plain_runs="off",
-    ) as proxy:
-        rounds = record_rounds(proxy.state.metrics)
-        status, got, _ = await proxy.post("/completion", body)
-        assert status == 200, got
-        await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], got["tokens"])
-        metrics = proxy.state.metrics
-        assert metrics.decode_check_failures == 0  # the branch prompts share the one batch
-        steady = [r for r in rounds if not r.first and r.n_committed < 64]
-        assert steady and all(r.n_drafted + r.n_branch <= 4 for r in steady)
-        assert metrics.branch_prompts > 0
-        async with http.get(proxy.url + "/metrics") as response:
-            page = await response.text()
-        assert f"npu_spec_branch_tokens_total {metrics.branch_tokens}\n" in page
-
-
-async def test_a_branch_the_target_takes_commits_its_tokens(
-    http, ref_server, spec_server, demo_models
-):
-    """A drafter that proposes its runner-up first and names its best token as the
-    alternative: the target rejects nearly every first draft, its token is the branch's
-    start, and the round goes on along the branch, token-identical to the server."""
-    from npu_draft.reference import ReferenceDraftModel
-
-    model = ReferenceDraftModel.from_hf(demo_models / "draft-hf", max_context=CTX + 16)
-    body = {"prompt": PROMPTS[0], "n_predict": 40, "temperature": 0, "return_tokens": True}
-    expected = await post_json(http, ref_server + "/completion", body)
-    prompt = await tokenize(http, ref_server, PROMPTS[0])
-    async with run_proxy(
-        spec_server,
-        lambda: AsyncSessionDrafter(RunnerUpFirstSession(model.open_session())),
-        3,
-        check_decodes=True,
-        adaptive_k=False,
-        overlap="off",
-        branch_prompts=2,
-        plain_runs="off",
-    ) as proxy:
-        rounds = record_rounds(proxy.state.metrics)
-        status, got, _ = await proxy.post("/completion", body)
-        assert status == 200, got
-        await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], got["tokens"])
-        assert proxy.state.metrics.decode_check_failures == 0
-        steady = [r for r in rounds if not r.first]
-        full = [r for r in steady if r.n_branch == 2]  # the last rounds run out of room
-        assert len(full) >= len(steady) - 2 and all(r.n_drafted == 1 for r in full)
-        taken = [r for r in steady if r.n_via_branch > 0]
-        # the target's own weights: only near-ties between numpy and llama.cpp miss
-        assert len(taken) >= 0.8 * len(steady), [(r.n_accepted, r.n_via_branch) for r in steady]
-        assert all(r.n_committed == 1 + r.n_via_branch for r in taken)

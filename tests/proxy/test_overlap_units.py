@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from npu_draft.protocol import GREEDY, CancelToken, Draft, SamplingParams, SyncStats
-from proxy.draft_length import DraftLengthPolicy, RoundCosts
 from proxy.drafting import AsyncSessionDrafter, always
+from proxy.engine import RoundRecord
+from proxy.policies import DraftLengthPolicy, OverlapPolicy
 
 
 def next_token(tokens: Sequence[int]) -> int:
@@ -127,11 +128,28 @@ async def test_stop_rule_cuts_the_draft_and_keeps_the_cut_token_on_the_line():
         await drafter.close()
 
 
+def steady_round(
+    probs: Sequence[float],
+    n_accepted: int,
+    n_committed: int,
+    draft_ms: float,
+    verify_ms: float,
+    round_ms: float,
+    overhead_ms: float = 0.0,
+    **more,
+) -> RoundRecord:
+    """A steady verify round, as the draft-length policy sees it."""
+    return RoundRecord(
+        len(probs), n_accepted, n_committed, draft_ms, verify_ms, overhead_ms,
+        round_ms=round_ms, draft_probs=list(probs), **more,
+    )  # fmt: skip
+
+
 def feed(policy: DraftLengthPolicy, rounds: int, prob: float, accepted: int, **costs) -> None:
     k = policy.k_max
     for _ in range(rounds):
         policy.observe(
-            RoundCosts(
+            steady_round(
                 probs=[prob] * k,
                 n_accepted=accepted,
                 n_committed=accepted + 1,
@@ -180,8 +198,17 @@ def test_policy_weighs_draft_cost(draft_ms):
 def test_policy_fits_the_verify_slope():
     policy = DraftLengthPolicy(8, rule="marginal")
     for k in (2, 4, 6, 8) * 4:
-        policy.observe(RoundCosts([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
+        policy.observe(steady_round([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
     assert policy.verify_slope_ms() == pytest.approx(2.5)
+
+
+def test_slots_to_copy_follow_the_rounds():
+    policy = DraftLengthPolicy(6)
+    assert policy.slots_to_copy() == 6  # nothing measured: every slot a round may use
+    for _ in range(8):
+        policy.observe(steady_round([0.9], 1, 2, 2.0, 20.0, 30.0))
+    assert policy.slots_to_copy() == 2  # rounds of 2 prompts: their slots, plus one
+    assert DraftLengthPolicy(6, adaptive=False).slots_to_copy() == 6
 
 
 def run_rounds(policy, rounds: int, penalty_ms: float, draft_ms_per_token: float, hit: float):
@@ -190,20 +217,21 @@ def run_rounds(policy, rounds: int, penalty_ms: float, draft_ms_per_token: float
     rng = np.random.default_rng(0)
     choices = []
     for _ in range(rounds):
-        ahead = policy.choose()
+        ahead = policy.decide(True)
         choices.append(ahead)
         verify = 40.0 + (penalty_ms if ahead else 0.0) + rng.normal(0, 1)
         if ahead and rng.random() < hit:
             next_draft = 0.2
         else:
             next_draft = 2 * draft_ms_per_token + (0.5 * draft_ms_per_token if ahead else 0)
-        policy.observe(ahead, 2, verify, next_drafted=2, next_draft_ms=next_draft)
+        policy.observe(
+            RoundRecord(2, 0, 1, 0.0, verify, 0.0, drafted_ahead=ahead, next_drafted=2,
+                        next_draft_ms=next_draft)
+        )  # fmt: skip
     return choices
 
 
 def test_overlap_policy_keeps_drafting_ahead_where_it_costs_verification_nothing():
-    from proxy.overlap_policy import OverlapPolicy
-
     policy = OverlapPolicy("auto")
     choices = run_rounds(policy, 200, penalty_ms=0.0, draft_ms_per_token=5.0, hit=0.5)
     assert choices[:24].count(True) == choices[:24].count(False) == 12  # both tried first
@@ -215,8 +243,6 @@ def test_overlap_policy_keeps_drafting_ahead_where_it_costs_verification_nothing
 def test_overlap_policy_tries_the_losing_choice_less_and_less_often():
     """Drafting ahead on a processor of its own never slows verification: each try of
     "off" only loses a round's drafting, so the tries thin out to one in 64 rounds."""
-    from proxy.overlap_policy import OverlapPolicy
-
     policy = OverlapPolicy("auto")
     choices = run_rounds(policy, 1200, penalty_ms=0.0, draft_ms_per_token=5.0, hit=0.5)
     assert policy.best() is True
@@ -225,8 +251,6 @@ def test_overlap_policy_tries_the_losing_choice_less_and_less_often():
 
 
 def test_overlap_policy_drops_drafting_ahead_when_it_slows_verification_more_than_it_saves():
-    from proxy.overlap_policy import OverlapPolicy
-
     policy = OverlapPolicy("auto")
     choices = run_rounds(policy, 200, penalty_ms=14.0, draft_ms_per_token=9.0, hit=0.5)
     assert policy.best() is False
@@ -238,12 +262,11 @@ def test_overlap_policy_drops_drafting_ahead_when_it_slows_verification_more_tha
 
 
 def test_overlap_policy_fixed_modes():
-    from proxy.overlap_policy import OverlapPolicy
-
-    assert all(OverlapPolicy("on").choose() for _ in range(20))
-    assert not any(OverlapPolicy("off").choose() for _ in range(20))
+    assert all(OverlapPolicy("on").decide(True) for _ in range(20))
+    assert not any(OverlapPolicy("off").decide(True) for _ in range(20))
+    assert OverlapPolicy("auto").decide(False) is False  # the drafter cannot draft ahead
     with pytest.raises(ValueError):
-        OverlapPolicy("sometimes")
+        OverlapPolicy("sometimes")  # type: ignore[arg-type]
 
 
 def learned_policy(verify_ms: dict[int, float]) -> DraftLengthPolicy:
@@ -254,7 +277,7 @@ def learned_policy(verify_ms: dict[int, float]) -> DraftLengthPolicy:
     for n in (1, 2, 3, 4, 5, 6) * 4:
         expected = sum(0.9**i for i in range(1, n + 1))
         policy.observe(
-            RoundCosts([0.9] * n, round(expected), round(expected) + 1, 2.0 * n,
+            steady_round([0.9] * n, round(expected), round(expected) + 1, 2.0 * n,
                        verify_ms[n], 170.0)
         )  # fmt: skip
     return policy
@@ -280,7 +303,7 @@ def test_policy_charges_each_length_what_it_measured():
 def test_policy_without_per_length_samples_uses_the_slope():
     policy = DraftLengthPolicy(8, rule="marginal")
     for k in (2, 4, 6, 8) * 2:  # two rounds of each length: not enough to trust a mean
-        policy.observe(RoundCosts([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
+        policy.observe(steady_round([0.9] * k, 1, 2, 4.0, 10.0 + 2.5 * k, 40.0))
     assert policy.verify_ms_for_draft(4) == pytest.approx(policy.verify_slope_ms())
 
 
@@ -306,7 +329,7 @@ def formula_policy(
     for n in list(verify_ms) * 4:
         for accepted in (n, n - 1):  # one fully accepted, one rejected round per length
             policy.observe(
-                RoundCosts([1.0] * n, accepted, accepted + 1, resync_ms + n * token_ms,
+                steady_round([1.0] * n, accepted, accepted + 1, resync_ms + n * token_ms,
                            verify_ms[n], 0.0, fresh_tokens=n, fresh_ms=n * token_ms,
                            resynced=True, overhead_ms=proxy_ms)
             )  # fmt: skip
@@ -377,7 +400,7 @@ def test_formula_waits_for_measurements_and_respects_fixed_k():
     assert policy.length(True) == 6
     fixed = DraftLengthPolicy(6, adaptive=False)
     for _ in range(10):
-        fixed.observe(RoundCosts([1.0] * 6, 0, 1, 10.0, 20.0, 30.0))
+        fixed.observe(steady_round([1.0] * 6, 0, 1, 10.0, 20.0, 30.0))
     assert fixed.length(True) == 6
     marginal = formula_policy(H200_512, 0.3, 20.0, 1.0)
     marginal.rule = "marginal"
@@ -391,7 +414,7 @@ def test_acceptance_counts_rejections_not_draft_lengths():
     would say 0.5."""
     policy = DraftLengthPolicy(4)
     for _ in range(20):
-        policy.observe(RoundCosts([1.0] * 4, 2, 3, 4.0, 20.0, 30.0))
+        policy.observe(steady_round([1.0] * 4, 2, 3, 4.0, 20.0, 30.0))
     assert policy.acceptance_rate() == pytest.approx(2 / 3)
 
 
@@ -429,7 +452,7 @@ class ScriptSession(CountingSession):
 
 
 async def _run_engine(early: bool, overlap: bool, consumer_sleep_s: float = 0.0):
-    from proxy.engine import Generation, GenerationParams
+    from proxy.engine import EngineSettings, Generation, GenerationParams
     from proxy.server_text import PieceCache
     from tests.proxy.test_units import FakeUpstream
 
@@ -437,10 +460,12 @@ async def _run_engine(early: bool, overlap: bool, consumer_sleep_s: float = 0.0)
     seen = [0]
     session = ScriptSession(script, 2, {3, 9, 10, 17}, seen)
     upstream = FakeUpstream(script)
-    params = GenerationParams(n_predict=30, k=3, overlap=overlap, early_draft=early)
+    settings = EngineSettings(
+        k=3, overlap="auto" if overlap else "off", early_draft=early, strict_decodes=True
+    )
     generation = Generation(
-        upstream, [1, 2], params, 1000, AsyncSessionDrafter(session), PieceCache(upstream),
-        check_decodes=True, strict_decodes=True,
+        upstream, [1, 2], GenerationParams(n_predict=30), 1000, AsyncSessionDrafter(session),
+        PieceCache(upstream), settings=settings,
     )  # fmt: skip
     tokens = []
     async for event in generation.run():
@@ -558,16 +583,15 @@ async def test_round_timeline_adds_up_and_sees_the_drafter_work_during_verificat
     """Verify takes 30 ms; the drafter 8 ms a token. Without drafting ahead the drafter
     idles through every verification; with it (4 tokens = 32 ms to draft ahead) it is
     busy for nearly all of it. The server's idle gap holds the round's draft wait."""
-    from proxy.engine import Generation, GenerationParams
+    from proxy.engine import EngineSettings, Generation, GenerationParams
     from proxy.metrics import ProxyMetrics
-    from proxy.overlap_policy import OverlapPolicy
     from proxy.server_text import PieceCache
     from tests.proxy.test_units import FakeUpstream
 
     class SlowUpstream(FakeUpstream):
-        async def verify(self, context, draft, branch=None):
+        async def verify(self, context, draft):
             await asyncio.sleep(0.03)
-            return await super().verify(context, draft, branch)
+            return await super().verify(context, draft)
 
     class SlowSession(ScriptSession):
         def propose(self, k, sampling=GREEDY, rng=None, cancel=None) -> Draft:
@@ -581,11 +605,12 @@ async def test_round_timeline_adds_up_and_sees_the_drafter_work_during_verificat
     for overlap in (False, True):
         upstream = SlowUpstream(script)
         metrics = ProxyMetrics()
-        params = GenerationParams(n_predict=24, k=3, overlap=overlap, adaptive=False)
+        settings = EngineSettings(k=3, adaptive=False, overlap="on" if overlap else "off")
         session = SlowSession(script, 2, set(), [0])
         generation = Generation(
-            upstream, [1, 2], params, 1000, AsyncSessionDrafter(session), PieceCache(upstream),
-            observer=metrics, overlap_policy=OverlapPolicy("on" if overlap else "off"),
+            upstream, [1, 2], GenerationParams(n_predict=24), 1000,
+            AsyncSessionDrafter(session), PieceCache(upstream), observer=metrics,
+            settings=settings,
         )  # fmt: skip
         assert [e.token async for e in generation.run()] == script[:24]
         rounds = generation.result.rounds

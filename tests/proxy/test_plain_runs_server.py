@@ -1,4 +1,4 @@
-"""Plain runs (proxy.plain_runs) against real servers: lossless, and chosen when
+"""Plain runs (proxy.policies.plain_runs) against real servers: lossless, and chosen when
 speculation costs more per token than letting llama-server decode alone."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
-from proxy.engine import GenerationParams, SlotReplicator
-from proxy.plain_runs import PASS_REQUESTS, PlainRunGate
+from proxy.engine import EngineSettings, GenerationParams, SlotReplicator
+from proxy.policies import PlainRunGate, Policies
+from proxy.policies.plain_runs import PASS_REQUESTS
 from proxy.upstream import UpstreamClient
 from tests.proxy.conftest import run_proxy
 from tests.proxy.helpers import assert_greedy_equal, generate, post_json, tokenize
@@ -19,7 +20,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 class AlwaysRun(PlainRunGate):
     """Every round after the first is a plain run of `run_tokens`."""
 
-    def choose(self) -> int:
+    def decide(self) -> int:
         return self.run_tokens
 
 
@@ -35,8 +36,9 @@ async def test_plain_runs_are_the_servers_own_greedy_tokens(
     )
     async with UpstreamClient(spec_server) as upstream:
         tokens, result = await generate(
-            upstream, prompt, GenerationParams(n_predict=n_predict, k=3), reference_drafter(),
-            check_decodes=True, plain_runs=AlwaysRun("auto", run_tokens=5),
+            upstream, prompt, GenerationParams(n_predict=n_predict), reference_drafter(),
+            settings=EngineSettings(k=3, check_decodes=True),
+            policies=Policies.fresh(3, plain_runs=AlwaysRun("auto", run_tokens=5)),
         )  # fmt: skip
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     assert len(tokens) == n_predict
@@ -61,7 +63,7 @@ async def test_gate_picks_plain_runs_when_drafts_are_never_accepted(
     # An unrelated draft commits one token per verify round, which costs more than
     # one plain step: the gate must switch and stay switched.
     async with run_proxy(spec_server, drafter_for("reference:unrelated"), 4) as proxy:
-        with caplog.at_level(logging.INFO, logger="proxy.plain_runs"):
+        with caplog.at_level(logging.INFO, logger="proxy.policies.plain_runs"):
             status, got, headers = await proxy.post("/completion", body)
         assert status == 200, got
         await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], got["tokens"])
@@ -124,8 +126,9 @@ async def test_no_slot_copies_for_a_request_that_starts_in_plain_runs(
         gate = AlwaysRun("auto", run_tokens=8)
         gate.plain_chosen = plain_preferred  # as if earlier requests had measured it
         tokens, result = await generate(
-            upstream, prompt, GenerationParams(n_predict=20, k=3), reference_drafter(),
-            replicator=replicator, plain_runs=gate,
+            upstream, prompt, GenerationParams(n_predict=20), reference_drafter(),
+            settings=EngineSettings(k=3), replicator=replicator,
+            policies=Policies.fresh(3, plain_runs=gate),
         )  # fmt: skip
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     first = result.rounds[0]
@@ -177,7 +180,7 @@ class RunsThenSpeculate(PlainRunGate):
         self.runs_left = runs
         self.plain_chosen = True  # as if earlier requests had measured it
 
-    def choose(self) -> int:
+    def decide(self) -> int:
         if self.runs_left > 0:
             self.runs_left -= 1
             return self.run_tokens
@@ -199,8 +202,9 @@ async def test_speculating_after_plain_runs_copies_the_slot_that_holds_the_conte
     async with UpstreamClient(spec_server) as upstream:
         replicator = CountingReplicator(upstream)
         tokens, result = await generate(
-            upstream, prompt, GenerationParams(n_predict=40, k=3), reference_drafter(),
-            replicator=replicator, plain_runs=RunsThenSpeculate(2, 8), check_decodes=True,
+            upstream, prompt, GenerationParams(n_predict=40), reference_drafter(),
+            settings=EngineSettings(k=3, check_decodes=True), replicator=replicator,
+            policies=Policies.fresh(3, plain_runs=RunsThenSpeculate(2, 8)),
         )  # fmt: skip
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     first, runs, after = result.rounds[0], result.rounds[1:3], result.rounds[3]

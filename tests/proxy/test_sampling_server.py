@@ -40,7 +40,7 @@ from npu_draft.protocol import Draft, SamplingParams, SparseDist
 from npu_draft.sampling import sampling_distribution
 from proxy.api.requests import parse_completion
 from proxy.drafting import DrafterBase
-from proxy.engine import AsyncSessionDrafter, Generation, GenerationParams
+from proxy.engine import AsyncSessionDrafter, EngineSettings, Generation, GenerationParams
 from proxy.server_text import PieceCache
 from proxy.upstream import SamplingSpec, UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
@@ -153,8 +153,11 @@ async def proxy_samples(
 
     async def worker() -> None:
         for seed in seeds:
-            params = GenerationParams(n_predict=2, k=1, sampling=replace(spec, seed=seed))
-            generation = Generation(upstream, drafter.prompt, params, n_ctx, drafter, pieces)
+            params = GenerationParams(n_predict=2, sampling=replace(spec, seed=seed))
+            generation = Generation(
+                upstream, drafter.prompt, params, n_ctx, drafter, pieces,
+                settings=EngineSettings(k=1),
+            )  # fmt: skip
             async for _ in generation.run():
                 pass
             result = generation.result

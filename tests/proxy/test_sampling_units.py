@@ -9,7 +9,7 @@ import pytest
 from npu_draft.protocol import Draft, SparseDist
 from proxy.api.requests import NotEligible, parse_chat, parse_completion
 from proxy.drafting import DrafterBase
-from proxy.engine import Generation, GenerationParams, verdict_of
+from proxy.engine import EngineSettings, Generation, GenerationParams, verdict_of
 from proxy.metrics import ProxyMetrics
 from proxy.server_text import PieceCache
 from proxy.upstream import (
@@ -157,8 +157,7 @@ class FakeSamplingUpstream:
     def __init__(self) -> None:
         self.bodies: list[tuple[int, list[int], int]] = []
 
-    async def verify(self, context, draft, sampling=None, seed=0, branch=None):
-        assert branch is None, "sampling rounds never branch"
+    async def verify(self, context, draft, sampling=None, seed=0):
         assert sampling is not None
         self.bodies.append((len(context), list(draft), seed))
         # the server's own draw is always 20 here; the engine draws its own tokens
@@ -193,8 +192,8 @@ async def _sample(seed: int, n_predict: int = 12):
     spec = spec_of({"temperature": 1.0, "top_k": 3, "seed": seed})
     metrics = ProxyMetrics()
     generation = Generation(
-        upstream, [1, 2], GenerationParams(n_predict=n_predict, k=3, sampling=spec), 1000,
-        FixedDrafter(), PieceCache(upstream), observer=metrics,
+        upstream, [1, 2], GenerationParams(n_predict=n_predict, sampling=spec), 1000,
+        FixedDrafter(), PieceCache(upstream), observer=metrics, settings=EngineSettings(k=3),
     )  # fmt: skip
     events = [event async for event in generation.run()]
     return events, generation.result, upstream, metrics

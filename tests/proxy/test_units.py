@@ -12,7 +12,7 @@ from proxy.api.requests import NotEligible, parse_chat, parse_completion, parse_
 from proxy.api.shapes import split_reasoning, thinking_prefix
 from proxy.config import ProxySettings, load_settings
 from proxy.drafting import DrafterBase
-from proxy.engine import Generation, GenerationParams
+from proxy.engine import EngineSettings, Generation, GenerationParams
 from proxy.managed import ServerLayout, verification_flags
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SchedulerBusy, SlotScheduler
@@ -121,15 +121,11 @@ class FakeUpstream:
     def _next(self, sequence: list[int], n_prompt: int) -> int:
         return self.script[len(sequence) - n_prompt]
 
-    async def verify(self, context, draft, branch=None):
+    async def verify(self, context, draft):
         self.calls.append((len(context), list(draft)))
         self.decodes += 1
         n_prompt = 2
         prompts = [list(context) + list(draft[:i]) for i in range(len(draft) + 1)]
-        if branch is not None:
-            position, tokens = branch
-            stem = list(context) + list(draft[:position])
-            prompts += [stem + list(tokens[: i + 1]) for i in range(len(tokens))]
         results = []
         for prompt in prompts:
             token = self._next(prompt, n_prompt)
@@ -163,12 +159,11 @@ async def _run(upstream, drafter, n_predict=-1, k=4, n_ctx=1000, stop=()):
     generation = Generation(
         upstream,
         [1, 2],
-        GenerationParams(n_predict=n_predict, stop=list(stop), k=k),
+        GenerationParams(n_predict=n_predict, stop=list(stop)),
         n_ctx=n_ctx,
         drafter=drafter,
         pieces=PieceCache(upstream),
-        check_decodes=True,
-        strict_decodes=True,
+        settings=EngineSettings(k=k, check_decodes=True, strict_decodes=True),
     )
     tokens = [event.token async for event in generation.run()]
     return tokens, generation.result
@@ -227,8 +222,8 @@ async def test_engine_falls_back_to_plain_decoding_when_the_drafter_fails():
     upstream = FakeUpstream(script)
     metrics = ProxyMetrics()
     generation = Generation(
-        upstream, [1, 2], GenerationParams(n_predict=5, k=4), 1000, BrokenDrafter(),
-        PieceCache(upstream), observer=metrics,
+        upstream, [1, 2], GenerationParams(n_predict=5), 1000, BrokenDrafter(),
+        PieceCache(upstream), observer=metrics, settings=EngineSettings(k=4),
     )  # fmt: skip
     tokens = [event.token async for event in generation.run()]
     assert tokens == script[:5]
@@ -405,8 +400,9 @@ async def test_replication_failure_only_costs_speed():
     upstream = NoSlotSave(script)
     replicator = SlotReplicator(upstream, min_prompt=1)
     generation = Generation(
-        upstream, [1, 2], GenerationParams(n_predict=8, k=3), 1000,
+        upstream, [1, 2], GenerationParams(n_predict=8), 1000,
         ScriptDrafter(script, 2), PieceCache(upstream), replicator=replicator,
+        settings=EngineSettings(k=3),
     )  # fmt: skip
     tokens = [event.token async for event in generation.run()]
     assert tokens == script[:8] and not replicator.available

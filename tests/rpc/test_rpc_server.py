@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from proxy import doctor
 from proxy.attach_check import check_upstream
-from proxy.engine import GenerationParams
+from proxy.engine import EngineSettings, GenerationParams
 from proxy.managed import managed_server
 from proxy.rpc import (
     RpcServerNotFound,
@@ -146,10 +146,9 @@ async def test_engine_one_decode_per_round_over_rpc(
         tokens, result = await generate(
             upstream,
             prompt,
-            GenerationParams(n_predict=24, k=5, adaptive=False),
+            GenerationParams(n_predict=24),
             reference_drafter(),
-            check_decodes=True,
-            strict_decodes=True,
+            settings=EngineSettings(k=5, adaptive=False, check_decodes=True, strict_decodes=True),
         )
     await assert_greedy_equal(http, rpc_stack.url, prompt, expected["tokens"], tokens)
     assert result.rounds and [r.decodes for r in result.rounds] == [1] * len(result.rounds)

@@ -12,7 +12,7 @@ from npu_draft.protocol import CancelToken
 from proxy.drafter_guard import DrafterSupervisor, GuardedDrafter
 from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, DrafterBase, always
 
-CALLS = ("propose", "draft", "extend", "branch", "propose_sampled", "close")
+CALLS = ("propose", "draft", "extend", "propose_sampled", "close")
 FLAGS = ("early_draft", "draft_ahead")
 
 
@@ -60,7 +60,6 @@ async def test_defaults_of_a_propose_only_backend() -> None:
     assert draft.tokens == [100, 101]
     assert drafter.asked == [(2, 4), (3, 2)]
     assert await drafter.extend(3, CancelToken()) == 0
-    assert await drafter.branch(2, 2) is None
     sampled = await drafter.propose_sampled([1], 3, None, None)  # type: ignore[arg-type]
     assert sampled.tokens == [100, 101, 102] and sampled.dists is None  # no q: point mass
 
@@ -71,7 +70,6 @@ async def test_the_guard_answers_for_a_propose_only_backend() -> None:
     assert guarded is not None and guarded.early_draft and guarded.draft_ahead
     assert (await guarded.draft([1], 3, always, 1)).tokens == [100]
     assert await guarded.extend(2, CancelToken()) == 0
-    assert await guarded.branch(1, 1) is None
     assert (await guarded.propose_sampled([1], 2, None, None)).tokens == [100, 101]
     await guarded.close()
     assert supervisor.failures == 0 and supervisor.sessions_open == 0

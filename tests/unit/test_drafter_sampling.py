@@ -9,7 +9,6 @@ from npu_draft.protocol import SamplingParams
 from npu_draft.sampling import (
     choose_token,
     greedy_choice,
-    greedy_top2,
     sampling_distribution,
     softmax,
 )
@@ -79,15 +78,6 @@ def test_greedy_choice_probability_is_plain_softmax() -> None:
     token, prob = greedy_choice(logits)
     assert token == 1
     assert prob == pytest.approx(softmax(logits)[1])
-
-
-def test_greedy_top2_is_the_best_two_of_plain_softmax() -> None:
-    logits = np.array([1.0, 3.0, 2.0, 2.5], dtype=np.float32)
-    token, prob, (second, second_p) = greedy_top2(logits)
-    want = softmax(logits)
-    assert (token, second) == (1, 3)
-    assert prob == pytest.approx(want[1]) and second_p == pytest.approx(want[3])
-    assert greedy_top2(logits)[:2] == greedy_choice(logits)
 
 
 def test_choose_token_samples_from_distribution() -> None:

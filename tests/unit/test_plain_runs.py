@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from proxy.plain_runs import (
+from proxy.engine import RoundRecord
+from proxy.policies.plain_runs import (
     MIN_SPEC_ROUNDS,
     PROBE_PLAIN_AFTER,
     PROBE_SPEC_AFTER,
@@ -16,59 +17,79 @@ from proxy.plain_runs import (
 )
 
 
+def steady(
+    round_ms: float, n_committed: int, drafter_ms: float = 0.0, catch_up: bool = False
+) -> RoundRecord:
+    """A steady speculative round of round_ms that committed n tokens; with
+    `drafter_ms`, the drafter drafted one token fresh in that time."""
+    return RoundRecord(
+        1, 0, n_committed, 0.0, 0.0, 0.0, round_ms=round_ms, catch_up=catch_up,
+        fresh_tokens=1 if drafter_ms else 0, fresh_ms=drafter_ms,
+    )  # fmt: skip
+
+
+def catch_up(round_ms: float, n_committed: int, drafter_ms: float = 0.0) -> RoundRecord:
+    """The first speculative round after plain runs."""
+    return steady(round_ms, n_committed, drafter_ms, catch_up=True)
+
+
+def plain_run(run_ms: float, n_tokens: int) -> RoundRecord:
+    return RoundRecord(0, 0, n_tokens, 0.0, run_ms, 0.0, plain_run=True, n_run_tokens=n_tokens)
+
+
 def speculate(gate: PlainRunGate, rounds: int, ms_per_token: float, tokens: int = 3) -> None:
     for _ in range(rounds):
-        assert gate.choose() == 0
-        gate.observe_round(ms_per_token * tokens, tokens)
+        assert gate.decide() == 0
+        gate.observe(steady(ms_per_token * tokens, tokens))
 
 
 def test_off_always_speculates():
     gate = PlainRunGate("off")
     for _ in range(50):
-        assert gate.choose() == 0
-        gate.observe_round(100.0, 1)
+        assert gate.decide() == 0
+        gate.observe(steady(100.0, 1))
 
 
 def test_first_plain_run_after_a_few_rounds_then_the_cheaper_side_wins():
     gate = PlainRunGate("auto", run_tokens=16)
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
-    assert gate.choose() == 16  # one measured plain run
-    gate.observe_run(16 * 10.0, 16)
+    assert gate.decide() == 16  # one measured plain run
+    gate.observe(plain_run(16 * 10.0, 16))
     assert gate.plain_chosen
-    assert gate.choose() == 16
+    assert gate.decide() == 16
 
 
 def test_speculation_kept_when_cheaper_and_plain_re_measured_now_and_then():
     gate = PlainRunGate("auto", run_tokens=8)
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=5.0)
-    assert gate.choose() == 8
-    gate.observe_run(8 * 10.0, 8)
+    assert gate.decide() == 8
+    gate.observe(plain_run(8 * 10.0, 8))
     assert not gate.plain_chosen
     # no plain run again until PROBE_PLAIN_AFTER speculative tokens were committed
     speculate(gate, PROBE_PLAIN_AFTER // 4, ms_per_token=5.0, tokens=4)
-    assert gate.choose() == 8
-    gate.observe_run(8 * 10.0, 8)
+    assert gate.decide() == 8
+    gate.observe(plain_run(8 * 10.0, 8))
     assert not gate.plain_chosen
 
 
 def test_speculation_re_measured_while_plain_runs_win_and_can_win_back():
     gate = PlainRunGate("auto", run_tokens=16)
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
-    gate.choose()
-    gate.observe_run(160.0, 16)
+    gate.decide()
+    gate.observe(plain_run(160.0, 16))
     assert gate.plain_chosen
     runs = 0
-    while gate.choose() == 16:  # plain runs until speculation is due a re-measurement
-        gate.observe_run(160.0, 16)
+    while gate.decide() == 16:  # plain runs until speculation is due a re-measurement
+        gate.observe(plain_run(160.0, 16))
         runs += 1
     assert runs * 16 + 16 >= PROBE_SPEC_AFTER  # ran at least that many plain tokens
-    gate.observe_round(4 * 3.0, 4)  # speculation got much cheaper (another prompt)
+    gate.observe(steady(4 * 3.0, 4))  # speculation got much cheaper (another prompt)
     for _ in range(PROBE_SPEC_ROUNDS - 2):
         assert gate.plain_chosen  # judged only once the re-measurement is complete
-        assert gate.choose() == 0
-        gate.observe_round(4 * 3.0, 4)
-    assert gate.choose() == 0
-    gate.observe_round(4 * 3.0, 4)
+        assert gate.decide() == 0
+        gate.observe(steady(4 * 3.0, 4))
+    assert gate.decide() == 0
+    gate.observe(steady(4 * 3.0, 4))
     assert not gate.plain_chosen
     assert gate.switches == 2
 
@@ -76,8 +97,8 @@ def test_speculation_re_measured_while_plain_runs_win_and_can_win_back():
 def test_hysteresis_keeps_the_current_side_on_a_near_draw():
     gate = PlainRunGate("auto", run_tokens=10)
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=10.0)
-    gate.choose()
-    gate.observe_run(10 * 9.7, 10)  # 3% cheaper: not enough to switch
+    gate.decide()
+    gate.observe(plain_run(10 * 9.7, 10))  # 3% cheaper: not enough to switch
     assert not gate.plain_chosen
     assert gate.switches == 0
 
@@ -112,23 +133,23 @@ def test_align_pieces_with_invalid_bytes_inside_the_text():
 
 
 def test_re_measurements_that_confirm_plain_runs_come_less_and_less_often():
-    from proxy.plain_runs import PROBE_SPEC_AFTER_MAX
+    from proxy.policies.plain_runs import PROBE_SPEC_AFTER_MAX
 
     gate = PlainRunGate("auto", run_tokens=16)
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
-    gate.choose()
-    gate.observe_run(160.0, 16)
+    gate.decide()
+    gate.observe(plain_run(160.0, 16))
     gaps = []
     for _ in range(7):
         runs = 0
-        while gate.choose() == 16:
-            gate.observe_run(160.0, 16)
+        while gate.decide() == 16:
+            gate.observe(plain_run(160.0, 16))
             runs += 1
         gaps.append(runs * 16)
         for _ in range(PROBE_SPEC_ROUNDS):  # the re-measurement: still dearer
-            gate.observe_round(3 * 20.0, 3)
+            gate.observe(steady(3 * 20.0, 3))
             if gate._spec_probe_left:
-                assert gate.choose() == 0
+                assert gate.decide() == 0
         assert gate.plain_chosen
     assert gaps[0] >= PROBE_SPEC_AFTER - 16
     for shorter, longer in itertools.pairwise(gaps):
@@ -139,45 +160,45 @@ def test_re_measurements_that_confirm_plain_runs_come_less_and_less_often():
 def test_a_dear_re_measurement_waits_until_its_cost_is_a_small_share():
     """A catch-up round of 1.5 s (6 slots prefilling 4k tokens each) is paid back by
     plain time: the next re-measurement waits until it is PROBE_BUDGET of it."""
-    from proxy.plain_runs import PROBE_BUDGET, PROBE_SPEC_AFTER_CAP
+    from proxy.policies.plain_runs import PROBE_BUDGET, PROBE_SPEC_AFTER_CAP
 
     gate = PlainRunGate("auto", run_tokens=16)
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
-    gate.choose()
-    gate.observe_run(160.0, 16)  # plain: 10 ms a token
-    while gate.choose() == 16:
-        gate.observe_run(160.0, 16)
-    gate.observe_catch_up(1500.0, 2)  # the slots catch up on the runs' tokens
+    gate.decide()
+    gate.observe(plain_run(160.0, 16))  # plain: 10 ms a token
+    while gate.decide() == 16:
+        gate.observe(plain_run(160.0, 16))
+    gate.observe(catch_up(1500.0, 2))  # the slots catch up on the runs' tokens
     for _ in range(PROBE_SPEC_ROUNDS):
-        gate.observe_round(40.0, 2)  # 20 ms a token: plain runs stay
+        gate.observe(steady(40.0, 2))  # 20 ms a token: plain runs stay
     assert gate.plain_chosen
     lost = (1500.0 - 2 * 10.0) + PROBE_SPEC_ROUNDS * (40.0 - 2 * 10.0)
     runs = 0
-    while gate.choose() == 16:
-        gate.observe_run(160.0, 16)
+    while gate.decide() == 16:
+        gate.observe(plain_run(160.0, 16))
         runs += 1
     assert runs * 16 >= lost / (PROBE_BUDGET * 10.0) - 16
     assert gate.snapshot()["probe_spec_after"] <= PROBE_SPEC_AFTER_CAP
     # a catch-up outside a re-measurement (speculation chosen) costs nothing extra
     quiet = PlainRunGate("auto")
-    quiet.observe_catch_up(5000.0, 1)
+    quiet.observe(catch_up(5000.0, 1))
     assert quiet._probe_loss_ms == 0.0
 
 
 def test_each_switch_is_logged_once_with_both_rates(caplog):
     gate = PlainRunGate("auto", run_tokens=16)
-    with caplog.at_level(logging.INFO, logger="proxy.plain_runs"):
+    with caplog.at_level(logging.INFO, logger="proxy.policies.plain_runs"):
         speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=31.0)
-        gate.choose()
-        gate.observe_run(16 * 7.0, 16)
+        gate.decide()
+        gate.observe(plain_run(16 * 7.0, 16))
         for _ in range(5):  # staying on plain runs says nothing more
-            gate.choose()
-            gate.observe_run(16 * 7.0, 16)
-        while gate.choose() == 16:
-            gate.observe_run(16 * 7.0, 16)
+            gate.decide()
+            gate.observe(plain_run(16 * 7.0, 16))
+        while gate.decide() == 16:
+            gate.observe(plain_run(16 * 7.0, 16))
         for _ in range(PROBE_SPEC_ROUNDS):  # speculation became cheaper: switch back
-            gate.choose()
-            gate.observe_round(4 * 2.0, 4)
+            gate.decide()
+            gate.observe(steady(4 * 2.0, 4))
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
         "greedy requests: speculating 31.0 ms/token vs plain 7.0 ms/token: plain runs",
@@ -206,7 +227,7 @@ def test_timings_count_the_tokens_plain_runs_wrote():
 
 
 def test_speculation_bound_follows_the_drafter_speed():
-    from proxy.plain_runs import speculation_bound_ms
+    from proxy.policies.plain_runs import speculation_bound_ms
 
     # a free drafter: k + 1 tokens for one plain step at best
     assert speculation_bound_ms(10.0, 0.0, k_max=4) == pytest.approx(10.0 / 5)
@@ -220,46 +241,44 @@ def test_a_drafter_too_slow_to_win_is_ruled_out_after_one_round():
     """0.6B on a CPU at 22 ms a token against a 9.3 ms plain step: one round, one plain
     run, then plain runs for good (no MIN_SPEC_ROUNDS of losing rounds)."""
     gate = PlainRunGate("auto", run_tokens=16)
-    assert gate.choose() == 0
-    gate.observe_round(60.0, 2)
-    gate.observe_drafter(22.0)
-    assert gate.choose() == 16  # the plain run, measured early
-    gate.observe_run(16 * 9.3, 16)
+    assert gate.decide() == 0
+    gate.observe(steady(60.0, 2, drafter_ms=22.0))
+    assert gate.decide() == 16  # the plain run, measured early
+    gate.observe(plain_run(16 * 9.3, 16))
     assert gate.hopeless() and gate.plain_chosen
     for _ in range(100):
-        if gate.choose() == 0:  # a re-measurement: its first round re-times the drafter
-            gate.observe_drafter(22.0)
-            assert gate.choose() == 16  # ... and ends there
-        gate.observe_run(16 * 9.3, 16)
+        if gate.decide() == 0:  # a re-measurement: its first round re-times the drafter
+            gate.observe(catch_up(0.0, 0, drafter_ms=22.0))  # (its catch-up time aside)
+            assert gate.decide() == 16  # ... and ends there
+        gate.observe(plain_run(16 * 9.3, 16))
     assert gate.plain_chosen and gate.switches == 1
 
 
 def test_a_fast_drafter_is_still_measured_by_its_rounds():
     gate = PlainRunGate("auto", run_tokens=16)
-    gate.choose()
-    gate.observe_round(30.0, 3)
-    gate.observe_drafter(2.5)
-    assert gate.choose() == 16  # plain measured early ...
-    gate.observe_run(16 * 9.3, 16)
+    gate.decide()
+    gate.observe(steady(30.0, 3, drafter_ms=2.5))
+    assert gate.decide() == 16  # plain measured early ...
+    gate.observe(plain_run(16 * 9.3, 16))
     assert not gate.hopeless() and not gate.plain_chosen
     # ... but the choice waits for MIN_SPEC_ROUNDS rounds of speculation
     for _ in range(MIN_SPEC_ROUNDS - 2):
-        assert gate.choose() == 0
-        gate.observe_round(3 * 12.0, 3)  # dearer than plain, yet not judged yet
+        assert gate.decide() == 0
+        gate.observe(steady(3 * 12.0, 3))  # dearer than plain, yet not judged yet
         assert not gate.plain_chosen
-    assert gate.choose() == 0
-    gate.observe_round(3 * 12.0, 3)
+    assert gate.decide() == 0
+    gate.observe(steady(3 * 12.0, 3))
     assert gate.plain_chosen
 
 
 def test_requests_pass_through_while_plain_is_chosen_with_re_measuring_ones_between():
-    from proxy.plain_runs import PASS_REQUESTS, PASS_REQUESTS_MAX
+    from proxy.policies.plain_runs import PASS_REQUESTS, PASS_REQUESTS_MAX
 
     gate = PlainRunGate("auto", run_tokens=16)
     assert not gate.pass_through()  # nothing measured: speculate
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
-    gate.choose()
-    gate.observe_run(160.0, 16)
+    gate.decide()
+    gate.observe(plain_run(160.0, 16))
     assert gate.plain_chosen
     served = [i for i in range(400) if not gate.pass_through()]
     gaps = [b - a - 1 for a, b in itertools.pairwise(served)]

@@ -24,25 +24,17 @@ it has seen and charges position i the measured difference between lengths i and
 position is still drafted when the expected tokens of the following positions, with
 the draft's per-token probability so far, repay it. With linear costs the look-ahead
 changes nothing (each later position gains less and costs the same).
-
-Branch prompts (a runner-up's line verified beside the draft, proxy.drafting.Branch)
-are judged the same way, from measured rates only: a runner-up's own p says little
-(a random-weight or quantised draft spreads its probability thin even where its
-second choice is usually right). With a the measured acceptance per draft and h the
-measured share of rejections whose target token was the draft's runner-up there, a
-branch at position j gains its first token with chance a^j (1 - a) h and each later
-one with a further factor a; prompt i costs the measured verify step to one more
-prompt (plus one drafted token after the first).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from proxy.engine.records import RoundRecord
 
 # uniform: one length, the k that maximises expected tokens per expected round time
 # (see `round_ms_model`); formula: the same with two lengths where drafting ahead is on,
@@ -55,8 +47,6 @@ _ALPHA = 0.2  # weight of the newest round in the running averages
 _PRIOR_VERIFY_SLOPE_MS = 1.0  # per extra draft, until measured (docs/BENCHMARKS.md)
 _MIN_ROUNDS = 3  # rounds observed before the rule starts cutting drafts
 _MIN_LENGTH_SAMPLES = 3  # rounds of one draft length before its mean verify time counts
-_RUNNER_UP_ALPHA = 0.05  # weight of the newest rejection in the runner-up hit rate
-_PRIOR_RUNNER_UP_HITS = 0.3  # before any rejection had a runner-up to compare
 
 
 _ACCEPT_ALPHA = 0.05  # the formula's acceptance: E(k) is steep in a, so average longer
@@ -66,28 +56,10 @@ def _ema(old: float | None, new: float, alpha: float = _ALPHA) -> float:
     return new if old is None else old + alpha * (new - old)
 
 
-@dataclass
-class RoundCosts:
-    """What one verified round tells the policy."""
-
-    probs: Sequence[float]  # the draft's p for each drafted token, in order
-    n_accepted: int
-    n_committed: int
-    draft_ms: float  # drafting the round waited for (not what overlapped)
-    verify_ms: float
-    round_ms: float
-    n_branch: int = 0  # extra prompts verifying a runner-up's line (proxy.drafting.Branch)
-    # what the drafter itself spent on the tokens it drafted fresh for this round (not
-    # taken from drafting ahead), and whether the round started with a re-sync (no line
-    # held the committed sequence: a miss, or no drafting ahead)
-    fresh_tokens: int = 0
-    fresh_ms: float = 0.0
-    resynced: bool = False
-    overhead_ms: float = 0.0  # the proxy's own time in the round
-
-
 class DraftLengthPolicy:
-    """Chooses each round's draft length; shared by the requests of one proxy."""
+    """Chooses each round's draft length (`decide`, then `worth` per position while
+    drafting) from the rounds it observed (`observe`); shared by the requests of one
+    proxy."""
 
     def __init__(self, k_max: int, adaptive: bool = True, rule: LengthRule = "formula") -> None:
         if rule not in ("formula", "uniform", "marginal"):
@@ -120,8 +92,11 @@ class DraftLengthPolicy:
         self._by_length: dict[int, tuple[float, int]] = {}  # n -> (mean verify ms, rounds)
         self._slope = _PRIOR_VERIFY_SLOPE_MS
         self.prompts_per_round: float | None = None  # verify prompts (slots) per round
-        self.acceptance: float | None = None  # accepted / drafted, running
-        self.runner_up_hits: float | None = None  # rejections the runner-up would have saved
+
+    def decide(self, ahead: bool) -> tuple[int, int]:
+        """(the most drafts the next round should send, the most where it drafts them
+        fresh), for rounds that draft ahead or not."""
+        return self.length(ahead), self.fresh_length(ahead)
 
     def length(self, ahead: bool) -> int:
         """The most drafts the next round should send: k_max until measured, or in
@@ -259,35 +234,6 @@ class DraftLengthPolicy:
                 return True
         return False
 
-    def branch_length(self, position: int, n_tokens: int, n_drafted: int) -> int:
-        """How many prompts of a runner-up's line leaving the draft at `position`
-        (0-based; len(draft) for the bonus) to verify beside `n_drafted` drafts: the
-        longest prefix whose expected tokens repay the verify time of its extra prompts
-        and the drafting of its tokens after the first. Fixed-k mode (and the first
-        rounds) verify all of them."""
-        if not self.adaptive or self.rounds < _MIN_ROUNDS:
-            return n_tokens
-        assert self.round_ms is not None and self.tokens_per_round is not None
-        token_ms = self.round_ms / max(self.tokens_per_round, 1.0)
-        a = self.acceptance if self.acceptance is not None else 0.5
-        hits = self.runner_up_hits if self.runner_up_hits is not None else _PRIOR_RUNNER_UP_HITS
-        chance = a**position * (1.0 - a) * hits
-        keep = 0
-        gain = cost = 0.0
-        for i in range(n_tokens):  # prompt i verifies the token after branch[:i+1]
-            gain += chance * a**i * token_ms
-            cost += self.verify_ms_for_draft(n_drafted + i + 1)
-            cost += (self.draft_ms_per_token or 0.0) if i > 0 else 0.0
-            if gain > cost:
-                keep = i + 1
-        return keep
-
-    def observe_runner_up(self, hit: bool) -> None:
-        """A rejected draft that had a runner-up: was it the target's token?"""
-        value = 1.0 if hit else 0.0
-        old = self.runner_up_hits
-        self.runner_up_hits = value if old is None else old + _RUNNER_UP_ALPHA * (value - old)
-
     def slots_to_copy(self) -> int:
         """Slots a new request's prefilled slot should be copied into: what the rounds
         have been using (plus one for a longer round), all k until that is measured.
@@ -327,37 +273,43 @@ class DraftLengthPolicy:
                 return min(max(slope, 0.0), 20.0)
         return _PRIOR_VERIFY_SLOPE_MS
 
-    def observe(self, costs: RoundCosts) -> None:
-        n = len(costs.probs) + costs.n_branch  # prompts - 1: what the verify time follows
-        if not costs.probs:
+    def observe(self, record: RoundRecord) -> None:
+        """A finished round. Only a steady verify round with the draft's p counts: a
+        plain run has no draft, and the verify time of a first round (prefilling) or of
+        one whose slots catch up after plain runs says nothing about the draft length."""
+        probs = record.draft_probs
+        n = len(probs)  # prompts - 1: what the verify time follows
+        if record.plain_run or record.first or record.catch_up or not n:
             return
-        expected = float(np.cumprod(np.asarray(costs.probs, dtype=np.float64)).sum())
-        self._accepted = _ema(self._accepted, costs.n_accepted)
-        self.acceptance = _ema(self.acceptance, costs.n_accepted / len(costs.probs))
+        expected = float(np.cumprod(np.asarray(probs, dtype=np.float64)).sum())
+        self._accepted = _ema(self._accepted, record.n_accepted)
         self._expected = _ema(self._expected, expected)
         self.calibration = min(max((self._accepted + 0.1) / (self._expected + 0.1), 0.05), 4.0)
-        self.round_ms = _ema(self.round_ms, costs.round_ms)
-        self.tokens_per_round = _ema(self.tokens_per_round, costs.n_committed)
+        self.round_ms = _ema(self.round_ms, record.round_ms)
+        self.tokens_per_round = _ema(self.tokens_per_round, record.n_committed)
         self.prompts_per_round = _ema(self.prompts_per_round, n + 1)
-        drafted = len(costs.probs) + max(costs.n_branch - 1, 0)  # a runner-up costs nothing
-        self.draft_ms_per_token = _ema(self.draft_ms_per_token, costs.draft_ms / drafted)
-        self._verify.append((n, costs.verify_ms))
-        self._slope = self._fit_slope()
-        mean, count = self._by_length.get(n, (costs.verify_ms, 0))
-        self._by_length[n] = (mean + (costs.verify_ms - mean) / min(count + 1, 16), count + 1)
-        rejected = costs.n_accepted < len(costs.probs)
+        self.draft_ms_per_token = _ema(self.draft_ms_per_token, record.draft_ms / n)
+        self._observe_verify(n, record.verify_ms)
+        rejected = record.n_accepted < n
         weight = max(1.0 / (self.rounds + 1), _ACCEPT_ALPHA)  # a plain mean at first
-        self._successes = _ema(self._successes, costs.n_accepted, weight)
+        self._successes = _ema(self._successes, record.n_accepted, weight)
         self._failures = _ema(self._failures, 1.0 if rejected else 0.0, weight)
-        if costs.fresh_tokens > 0:
-            self.token_ms = _ema(self.token_ms, costs.fresh_ms / costs.fresh_tokens)
-        if costs.resynced:  # what the round waited for beyond drafting its tokens
+        if record.fresh_tokens > 0:
+            self.token_ms = _ema(self.token_ms, record.fresh_ms / record.fresh_tokens)
+        if record.resynced:  # what the round waited for beyond drafting its tokens
             # (negative where an early draft hid part of the drafting behind the proxy's
             # own work on the previous round)
-            self.resync_ms = _ema(self.resync_ms, costs.draft_ms - costs.fresh_ms)
-        self.proxy_ms = _ema(self.proxy_ms, costs.overhead_ms)
+            self.resync_ms = _ema(self.resync_ms, record.draft_ms - record.fresh_ms)
+        self.proxy_ms = _ema(self.proxy_ms, record.overhead_ms)
         self._best = self._two = None
         self.rounds += 1
+
+    def _observe_verify(self, n: int, verify_ms: float) -> None:
+        """The verify time of a round of n drafts: the slope fit and the per-length mean."""
+        self._verify.append((n, verify_ms))
+        self._slope = self._fit_slope()
+        mean, count = self._by_length.get(n, (verify_ms, 0))
+        self._by_length[n] = (mean + (verify_ms - mean) / min(count + 1, 16), count + 1)
 
     def snapshot(self) -> dict[str, float | int | None]:
         return {
@@ -367,7 +319,6 @@ class DraftLengthPolicy:
             "tokens_per_round": self.tokens_per_round,
             "draft_ms_per_token": self.draft_ms_per_token,
             "verify_ms_per_draft": self.verify_slope_ms(),
-            "runner_up_hits": self.runner_up_hits,
             "rule": self.rule,
             "acceptance": self.acceptance_rate(),
             "draft_token_ms": self.token_ms,

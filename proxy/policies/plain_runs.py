@@ -43,7 +43,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from proxy.engine.records import RoundRecord
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +96,9 @@ class _Rate:
 
 
 class PlainRunGate:
-    """Before each round: 0 to speculate, n > 0 for a plain run of n tokens. One gate
-    per kind of request (greedy, unseeded sampling): their rounds cost differently."""
+    """Before each round (`decide`): 0 to speculate, n > 0 for a plain run of n tokens;
+    after it (`observe`): what it cost. One gate per kind of request (greedy, unseeded
+    sampling): their rounds cost differently."""
 
     def __init__(self, mode: RunMode = "auto", run_tokens: int = 16, name: str = "greedy") -> None:
         if run_tokens < 1:
@@ -117,7 +121,7 @@ class PlainRunGate:
         self._passed = 0  # requests passed through since the last re-measuring one
         self._pass_limit = PASS_REQUESTS
 
-    def choose(self) -> int:
+    def decide(self) -> int:
         if self.mode == "off" or self._spec_probe_left > 0:
             return 0
         if self._plain.ms_per_token is None:  # first measurement of plain runs
@@ -141,6 +145,22 @@ class PlainRunGate:
         """Plain runs are the measured choice right now."""
         return self.mode != "off" and self.plain_chosen
 
+    def observe(self, record: RoundRecord) -> None:
+        """One round of a generation: a plain run, or a speculative round that measures
+        speculation (steady) or that catches the slots up on the runs' tokens (the first
+        round of a generation prefills its prompt: no rate at all), and in every
+        speculative round the drafter's own speed, which tells a drafter too slow to win
+        apart."""
+        if record.plain_run:
+            self._observe_run(record.verify_ms, record.n_run_tokens)
+            return
+        if record.catch_up:
+            self._observe_catch_up(record.round_ms, record.n_committed)
+        elif not record.first:
+            self._observe_round(record.round_ms, record.n_committed)
+        if record.fresh_tokens > 0:
+            self._observe_drafter(record.fresh_ms / record.fresh_tokens)
+
     def hopeless(self) -> bool:
         """At the measured drafter speed speculation cannot beat plain runs, even with
         every draft accepted (`speculation_bound_ms`)."""
@@ -162,7 +182,7 @@ class PlainRunGate:
         self._pass_limit = min(2 * self._pass_limit, PASS_REQUESTS_MAX)
         return False
 
-    def observe_drafter(self, ms_per_token: float) -> None:
+    def _observe_drafter(self, ms_per_token: float) -> None:
         """The drafter's own time per drafted token (re-syncs excluded)."""
         if ms_per_token <= 0:
             return
@@ -172,7 +192,7 @@ class PlainRunGate:
             self._spec_probe_left = 0  # no need to finish a re-measurement that cannot win
             self._probe_spec_after = self._next_probe_wait()
 
-    def observe_round(self, round_ms: float, n_committed: int) -> None:
+    def _observe_round(self, round_ms: float, n_committed: int) -> None:
         """A steady speculative round (not a first round, not one catching up a run)."""
         self._spec.add(round_ms, n_committed)
         self._spec_tokens_since_probe += n_committed
@@ -181,14 +201,14 @@ class PlainRunGate:
             self._spec_probe_left -= 1
             if self._spec_probe_left > 0:
                 return  # judge the re-measurement once it is complete
-            self._decide()
+            self._reconsider()
             if self.plain_chosen:
                 self._probe_spec_after = self._next_probe_wait()
             return
         if len(self._spec) >= MIN_SPEC_ROUNDS:  # a plain run measured early waits for them
-            self._decide()
+            self._reconsider()
 
-    def observe_catch_up(self, round_ms: float, n_committed: int) -> None:
+    def _observe_catch_up(self, round_ms: float, n_committed: int) -> None:
         """The first speculative round after plain runs: the slots catch up on the runs'
         tokens. Not a speculation speed; part of what a re-measurement costs."""
         if self._spec_probe_left > 0:
@@ -208,7 +228,8 @@ class PlainRunGate:
         affordable = int(self._probe_loss_ms / (PROBE_BUDGET * plain))
         return min(max(doubled, affordable), PROBE_SPEC_AFTER_CAP)
 
-    def observe_run(self, run_ms: float, n_tokens: int) -> None:
+    def _observe_run(self, run_ms: float, n_tokens: int) -> None:
+        """A plain run of n_tokens (all it wrote, also past where the output stopped)."""
         self._plain.add(run_ms, n_tokens)
         self._plain_tokens_since_probe += n_tokens
         self._spec_tokens_since_probe = 0
@@ -220,9 +241,9 @@ class PlainRunGate:
                 f"{bound:.1f} ms/token vs plain {self._plain.ms_per_token:.1f} ms/token"
             )
         elif len(self._spec) >= MIN_SPEC_ROUNDS:
-            self._decide()
+            self._reconsider()
 
-    def _decide(self) -> None:
+    def _reconsider(self) -> None:
         spec, plain = self._spec.ms_per_token, self._plain.ms_per_token
         if spec is None or plain is None:
             return

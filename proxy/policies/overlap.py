@@ -22,8 +22,14 @@ tries confirm the choice).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from proxy.engine.records import RoundRecord
 
 log = logging.getLogger(__name__)
+
+OverlapMode = Literal["auto", "on", "off"]
 
 _ALPHA = 0.05  # weight of the newest sample in each running mean
 _HYSTERESIS_MS = 1.0  # switch only when the other choice looks better by this much
@@ -39,9 +45,11 @@ def _mean(old: float | None, new: float, count: int) -> float:
 
 
 class OverlapPolicy:
-    """Chooses, round by round, whether to draft during verification."""
+    """Chooses, round by round, whether to draft during verification (`decide`), and
+    learns from each round that chose once the next round's draft is ready (`observe`).
+    Mode `off` never drafts ahead and has nothing to learn."""
 
-    def __init__(self, mode: str = "auto") -> None:
+    def __init__(self, mode: OverlapMode = "auto") -> None:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"overlap mode must be auto, on or off, not {mode!r}")
         self.mode = mode
@@ -60,9 +68,20 @@ class OverlapPolicy:
         self._retry_every = _RETRY_EVERY
         self._next_retry = _RETRY_EVERY
 
-    def choose(self) -> bool:
-        if self.mode != "auto":
-            return self.mode == "on"
+    def expects_ahead(self) -> bool:
+        """Whether rounds draft ahead as things stand (what the draft length assumes)."""
+        return self.mode == "on" or (self.mode == "auto" and self.best())
+
+    def decide(self, able: bool) -> bool | None:
+        """Draft ahead while the server verifies this round's draft? None in mode `off`
+        (no choice, nothing to judge later); False where the drafter cannot (a choice all
+        the same: its verify time is the "without" side)."""
+        if self.mode == "off":
+            return None
+        if not able:
+            return False
+        if self.mode == "on":
+            return True
         self.rounds += 1
         if self.saving_n < _MIN_SAMPLES or min(self.samples.values()) < _MIN_SAMPLES:
             return self.samples[True] <= self.samples[False]  # explore: alternate
@@ -90,25 +109,19 @@ class OverlapPolicy:
         """The choice the measurements support (drafting ahead until they exist)."""
         return self._current
 
-    def observe(
-        self, ahead: bool, n_drafted: int, verify_ms: float, next_drafted: int, next_draft_ms: float
-    ) -> None:
-        """One round (its choice, length and verify time) and the drafting of the next."""
+    def observe(self, record: RoundRecord) -> None:
+        """A round that chose (`drafted_ahead`), with its draft length and verify time,
+        and the drafting the next round waited for (`next_drafted`, `next_draft_ms`)."""
+        ahead, next_drafted = record.drafted_ahead, record.next_drafted
+        if ahead is None or next_drafted is None:
+            return
         before = self._current
-        key = (ahead, n_drafted)
+        key = (ahead, record.n_drafted)
         self.verify_n[key] = self.verify_n.get(key, 0) + 1
-        self.verify_ms[key] = _mean(self.verify_ms.get(key), verify_ms, self.verify_n[key])
+        self.verify_ms[key] = _mean(self.verify_ms.get(key), record.verify_ms, self.verify_n[key])
         self.samples[ahead] += 1
         if next_drafted > 0:
-            if not ahead:  # every token of the next draft was made fresh
-                self.draft_n += 1
-                self.draft_ms_per_token = _mean(
-                    self.draft_ms_per_token, next_draft_ms / next_drafted, self.draft_n
-                )
-            elif self.draft_ms_per_token is not None:
-                fresh_cost = next_drafted * self.draft_ms_per_token
-                self.saving_n += 1
-                self.saving_ms = _mean(self.saving_ms, fresh_cost - next_draft_ms, self.saving_n)
+            self._learn_drafting(ahead, next_drafted, record.next_draft_ms)
         penalty = self.penalty_ms()
         if penalty is not None and self.saving_ms is not None:
             margin = self.saving_ms - penalty
@@ -122,6 +135,19 @@ class OverlapPolicy:
                 "drafting ahead now %s (saves %.1f ms of drafting, costs %.1f ms of verify)",
                 "on" if self.best() else "off", self.saving_ms or 0.0, self.penalty_ms() or 0.0,
             )  # fmt: skip
+
+    def _learn_drafting(self, ahead: bool, next_drafted: int, next_draft_ms: float) -> None:
+        """After a round without drafting ahead, every token of the next draft was made
+        fresh: its per-token time. After one with, the saving against that time."""
+        if not ahead:
+            self.draft_n += 1
+            self.draft_ms_per_token = _mean(
+                self.draft_ms_per_token, next_draft_ms / next_drafted, self.draft_n
+            )
+        elif self.draft_ms_per_token is not None:
+            fresh_cost = next_drafted * self.draft_ms_per_token
+            self.saving_n += 1
+            self.saving_ms = _mean(self.saving_ms, fresh_cost - next_draft_ms, self.saving_n)
 
     def snapshot(self) -> dict[str, object]:
         return {

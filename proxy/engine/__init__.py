@@ -1,0 +1,34 @@
+"""The speculative engine: one generation's rounds against a stock llama-server.
+
+- `generation`: the loop, choosing a plain run or a speculative round each time.
+- `rounds`: the two kinds of round, the speculative one as named steps.
+- `rules`: the greedy or the sampling rule, chosen once per generation.
+- `draft_source`: the drafter's work: drafts now, early, and ahead of verification.
+- `slot_copies`: copying the slot that holds the context into the others.
+- `decode_check`: one server decode per verify round, counted.
+- `loop_state`, `records`, `settings`: what the loop keeps, reports and is given.
+
+The measured choices (draft length, drafting ahead, plain runs) are `proxy.policies`.
+"""
+
+from proxy.drafting import AsyncDrafter, AsyncSessionDrafter
+from proxy.engine.decode_check import DecodeCountError
+from proxy.engine.generation import Generation
+from proxy.engine.records import GenerationResult, RoundObserver, RoundRecord
+from proxy.engine.rules import verdict_of
+from proxy.engine.settings import EngineSettings, GenerationParams
+from proxy.engine.slot_copies import SlotReplicator
+
+__all__ = [
+    "AsyncDrafter",
+    "AsyncSessionDrafter",
+    "DecodeCountError",
+    "EngineSettings",
+    "Generation",
+    "GenerationParams",
+    "GenerationResult",
+    "RoundObserver",
+    "RoundRecord",
+    "SlotReplicator",
+    "verdict_of",
+]

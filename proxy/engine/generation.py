@@ -1,0 +1,129 @@
+"""One generation: rounds until the server's text is finished, greedy or sampling.
+
+The engine knows nothing of HTTP routes. It takes prompt token ids and the few
+request parameters it can honour losslessly (n_predict, stop strings, and in
+sampling mode temperature/top_k/top_p/min_p/seed), and yields one `TokenEvent` per
+generated token exactly as llama-server's `process_token` would emit it, then a
+`GenerationResult`. The server's text bookkeeping (UTF-8 hold-back, stop strings,
+limits) is mirrored in `proxy.server_text`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from proxy.drafting import AsyncDrafter
+from proxy.engine.decode_check import DecodeCounter
+from proxy.engine.draft_source import DraftSource
+from proxy.engine.loop_state import LoopState
+from proxy.engine.records import GenerationResult, RoundObserver
+from proxy.engine.rounds import Rounds
+from proxy.engine.rules import rule_for
+from proxy.engine.settings import EngineSettings, GenerationParams
+from proxy.engine.slot_copies import SlotCopies, SlotReplicator
+from proxy.policies import Policies
+from proxy.server_text import PieceCache, ServerTextState, TokenEvent
+from proxy.upstream import UpstreamClient
+
+
+class Generation:
+    """Iterate `run()` for TokenEvents; `result` is set when iteration ends.
+
+    `policies` default to fresh ones from `settings` (no plain runs): a proxy passes
+    the ones its requests share."""
+
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        prompt: Sequence[int],
+        params: GenerationParams,
+        n_ctx: int,
+        drafter: AsyncDrafter | None,
+        pieces: PieceCache,
+        observer: RoundObserver | None = None,
+        settings: EngineSettings | None = None,
+        request_id: str = "-",
+        replicator: SlotReplicator | None = None,
+        slot_file: str = "npu-spec-prefill.bin",
+        policies: Policies | None = None,
+    ) -> None:
+        self.upstream = upstream
+        self.prompt = list(prompt)
+        self.params = params
+        self.n_ctx = n_ctx
+        self.drafter = drafter
+        self.pieces = pieces
+        self.observer = observer
+        self.settings = settings = settings or EngineSettings()
+        self.request_id = request_id
+        self.replicator = replicator
+        self.slot_file = slot_file
+        self.policies = policies or Policies.fresh(settings.k, settings.adaptive, settings.overlap)
+        self.result: GenerationResult | None = None
+
+    async def run(self) -> AsyncIterator[TokenEvent]:
+        loop = LoopState(
+            ServerTextState(self.params.stop, len(self.prompt), self.n_ctx, self.params.n_predict),
+            started=(started := time.perf_counter()),
+            last_back=started,
+        )
+        rounds = await self._rounds()
+        try:
+            while not loop.text.finished:
+                round_start = time.perf_counter()
+                run_n = rounds.plain_run_length(loop)
+                steps = (
+                    rounds.plain_run(loop, run_n, round_start)
+                    if run_n
+                    else rounds.speculative_round(loop, round_start)
+                )
+                async for event in steps:
+                    yield event
+        finally:
+            await rounds.drafts.close()
+        self._finish(loop, rounds)
+
+    async def _rounds(self) -> Rounds:
+        """This generation's round machinery: decode counting (read once now), the
+        drafter's work, the greedy or sampling rule, slot copies."""
+        settings, policies = self.settings, self.policies
+        decodes = DecodeCounter(
+            self.upstream, settings.check_decodes, settings.strict_decodes, self.request_id
+        )
+        await decodes.start()
+        drafts = DraftSource(
+            self.drafter, policies.draft_length.worth, self.request_id, self.observer
+        )
+        rule = await rule_for(
+            self.params.sampling, drafts, policies, self.pieces, settings.early_draft
+        )
+        slots = SlotCopies(
+            self.replicator, self.slot_file, len(self.prompt), policies.draft_length.slots_to_copy
+        )
+        return Rounds(
+            self.upstream, self.prompt, self.pieces, settings.k, rule, drafts, policies, slots,
+            decodes, self.observer,
+        )  # fmt: skip
+
+    def _finish(self, loop: LoopState, rounds: Rounds) -> None:
+        end = time.perf_counter()
+        first_round_end = loop.first_round_end or end
+        text = loop.text
+        self.result = GenerationResult(
+            tokens=list(text.tokens),
+            content=bytes(text.generated),
+            stop_type=text.stop_type,
+            stopping_word=text.stopping_word,
+            truncated=text.truncated,
+            has_new_line=text.has_new_line,
+            n_prompt=len(self.prompt),
+            n_prompt_cached=loop.n_cached,
+            rounds=loop.rounds,
+            prompt_ms=(first_round_end - loop.started) * 1e3,
+            predicted_ms=(end - first_round_end) * 1e3,
+            drafter_failed=rounds.drafts.failed,
+            sampled=rounds.rule.sampled,
+        )
+        if self.observer is not None:
+            self.observer.observe_generation(len(text.tokens), end - loop.started)

@@ -1,0 +1,254 @@
+"""The rounds of one generation: a plain run, or a speculative round built from named
+steps, draft -> verify -> accept -> commit -> record."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from proxy.acceptance import Acceptance, SampledAcceptance
+from proxy.drafting import GreedyDraft
+from proxy.engine.decode_check import DecodeCounter
+from proxy.engine.draft_source import DraftSource
+from proxy.engine.loop_state import LoopState
+from proxy.engine.records import RoundObserver, RoundRecord
+from proxy.engine.rules import Dists, Rule
+from proxy.engine.slot_copies import FirstRound, SlotCopies
+from proxy.policies import Policies
+from proxy.server_text import PieceCache, TokenEvent
+from proxy.upstream import PlainRun, UpstreamClient, VerifyResult
+
+
+@dataclass
+class _Round:
+    """What one speculative round carries from step to step (perf_counter s)."""
+
+    started: float
+    committed: list[int]
+    room: int  # tokens the server may still produce
+    plan: FirstRound
+    k: int = 0  # the most drafts it may verify
+    drafted: GreedyDraft = field(default_factory=GreedyDraft)
+    dists: Dists = None
+    draft_ms: float = 0.0
+    verify_start: float = 0.0  # also when the draft was ready
+    verify_back: float = 0.0
+    drafted_ahead: bool | None = None
+    drafter_idle_ms: float = 0.0
+    results: list[VerifyResult] = field(default_factory=list)
+    acceptance: Acceptance = field(default_factory=lambda: Acceptance(0, [], 0))
+    n_committed: int = 0
+
+    @property
+    def verify_ms(self) -> float:
+        return (self.verify_back - self.verify_start) * 1e3
+
+
+class Rounds:
+    """One generation's rounds and what they use: the server, the rule, the drafter's
+    work, the policies, slot copies and the decode check."""
+
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        prompt: list[int],
+        pieces: PieceCache,
+        k_max: int,
+        rule: Rule,
+        drafts: DraftSource,
+        policies: Policies,
+        slots: SlotCopies,
+        decodes: DecodeCounter,
+        observer: RoundObserver | None,
+    ) -> None:
+        self.upstream = upstream
+        self.prompt = prompt
+        self.pieces = pieces
+        self.k_max = k_max
+        self.rule = rule
+        self.drafts = drafts
+        self.policies = policies
+        self.slots = slots
+        self.decodes = decodes
+        self.observer = observer
+
+    def plain_run_length(self, loop: LoopState) -> int:
+        """Tokens the server should decode alone next (0: a speculative round); never
+        in the first round, which prefills the slots."""
+        if not loop.rounds or not self.drafts.available:
+            return 0
+        return max(0, min(self.policies.plain_run_tokens(), loop.text.remaining()))
+
+    # -- a plain run -----------------------------------------------------------------
+
+    async def plain_run(self, loop: LoopState, n: int, started: float) -> AsyncIterator[TokenEvent]:
+        """The server decodes up to n tokens alone, in one request."""
+        loop.awaiting_overlap = None
+        await self.drafts.stop_ahead()  # its line would be stale after the run
+        sent = time.perf_counter()
+        run = await self.rule.plain_run(self.upstream, self.prompt + loop.text.tokens, n)
+        back = time.perf_counter()
+        run_ms = (back - sent) * 1e3
+        events = await self._run_events(loop, run)
+        record = RoundRecord(
+            n_drafted=0,
+            n_accepted=0,
+            n_committed=len(events),
+            draft_ms=0.0,
+            verify_ms=run_ms,
+            overhead_ms=(time.perf_counter() - sent) * 1e3 - run_ms,
+            plain_run=True,
+            draft_ready_ms=(sent - started) * 1e3,
+            verify_sent_ms=(sent - started) * 1e3,
+            verify_back_ms=(back - started) * 1e3,
+            drafter_idle_ms=run_ms,
+            n_run_tokens=len(run.tokens),
+        )
+        record.server_idle_ms = (started + record.verify_sent_ms / 1e3 - loop.last_back) * 1e3
+        loop.last_back = started + record.verify_back_ms / 1e3
+        loop.lag += len(run.tokens)
+        loop.context_slot = run.id_slot
+        for event in events:
+            yield event
+        record.decodes, record.prompt_tokens = await self.decodes.round_delta()
+        record.round_ms = (time.perf_counter() - started) * 1e3
+        self._close_round(loop, record)
+        loop.after_run = True
+
+    async def _run_events(self, loop: LoopState, run: PlainRun) -> list[TokenEvent]:
+        """The run's tokens through the server-text mirror, up to where the text ends."""
+        pieces = await self.pieces.run_pieces(run.tokens, run.content)
+        last = len(run.tokens) - 1
+        if run.stop_type == "eos":
+            pieces[last] = b""  # the server writes no text for the EOG token
+        events: list[TokenEvent] = []
+        for i, (token, piece) in enumerate(zip(run.tokens, pieces, strict=True)):
+            events.append(loop.text.push(token, piece, i == last and run.stop_type == "eos"))
+            if loop.text.finished:
+                break
+        return events
+
+    # -- a speculative round ---------------------------------------------------------
+
+    async def speculative_round(self, loop: LoopState, started: float) -> AsyncIterator[TokenEvent]:
+        """draft -> verify -> accept -> commit -> record; the next round's draft may
+        start as soon as this one's accepted tokens are known."""
+        round_ = await self._prepare(loop, started)
+        await self._draft(loop, round_)
+        await self._verify(loop, round_)
+        round_.acceptance = self.rule.accept(round_.drafted.tokens, round_.dists, round_.results)
+        # the next round's committed sequence is known: its draft may start now
+        n_next = len(round_.acceptance.tokens)
+        self.rule.prepare_next(
+            round_.committed + round_.acceptance.tokens, min(self.k_max, round_.room - n_next - 1)
+        )
+        async for event in self._commit(loop, round_):
+            yield event
+        await self._after_commit(loop, round_)
+        await self._record(loop, round_)
+
+    async def _prepare(self, loop: LoopState, started: float) -> _Round:
+        """Slot copies owed from plain runs, and how many drafts the round may verify:
+        never past what the server may still produce (the last prompt of the batch must
+        stay below the slot's context; the round commits at most k+1 tokens), none in a
+        first round that prefills one slot."""
+        if loop.after_run and loop.context_slot >= 0:
+            # speculation again after plain runs: copy the slot that holds the context
+            # into the slots the rounds use, instead of letting each of them prefill what
+            # it lags by inside the next verify batch
+            await self.slots.catch_up(loop.context_slot, loop.lag)
+        loop.context_slot, loop.lag = -1, 0
+        first = not loop.rounds and self.drafts.available
+        plan = self.slots.first_round(self.policies.prefers_plain()) if first else FirstRound()
+        room = loop.text.remaining()
+        round_ = _Round(started, self.prompt + loop.text.tokens, room, plan)
+        round_.k = max(0, min(self.k_max, room - 1)) if plan.drafts else 0
+        return round_
+
+    async def _draft(self, loop: LoopState, round_: _Round) -> None:
+        """The round's draft; then, while the server verifies it, maybe drafting ahead."""
+        round_.drafted, round_.dists, round_.draft_ms = await self.rule.draft(
+            round_.committed, round_.k
+        )
+        round_.verify_start = time.perf_counter()
+        n_drafted = len(round_.drafted.tokens)
+        if loop.awaiting_overlap is not None:  # the last round's choice, judged
+            self.policies.observe_next_draft(loop.awaiting_overlap, n_drafted, round_.draft_ms)
+            loop.awaiting_overlap = None
+        round_.drafted_ahead = self.rule.draft_ahead(n_drafted)
+
+    async def _verify(self, loop: LoopState, round_: _Round) -> None:
+        """One batch of k+1 prompts: the target's token after each draft prefix."""
+        round_.results = await self.rule.verify(
+            self.upstream, round_.committed, round_.drafted.tokens
+        )
+        round_.verify_back = time.perf_counter()
+        round_.drafter_idle_ms = round_.verify_ms
+        if round_.drafted_ahead:
+            round_.drafter_idle_ms -= self.drafts.busy_ms(round_.verify_start, round_.verify_back)
+        if loop.first_round_end is None:
+            loop.n_cached = round_.results[0].cached
+
+    async def _commit(self, loop: LoopState, round_: _Round) -> AsyncIterator[TokenEvent]:
+        """Push the accepted tokens through the server-text mirror, one event each."""
+        for position, token in enumerate(round_.acceptance.tokens):
+            piece, is_eog = await self.rule.piece(round_.results[position], token)
+            event = loop.text.push(token, piece, is_eog)
+            round_.n_committed += 1
+            yield event
+            if loop.text.finished:
+                break
+
+    async def _after_commit(self, loop: LoopState, round_: _Round) -> None:
+        """A first round's slot copies, and the slot the other slots lag behind."""
+        first = round_.results[0]
+        if round_.plan.replicate and not loop.text.finished:
+            await self.slots.after_first_round(first.id_slot, first.cached)
+        if loop.first_round_end is None:
+            loop.first_round_end = time.perf_counter()
+        if round_.plan.one_slot:
+            loop.context_slot, loop.lag = first.id_slot, len(self.prompt) - first.cached
+
+    async def _record(self, loop: LoopState, round_: _Round) -> None:
+        """The round's record, checked (one server decode) and observed."""
+        decodes, prompt_tokens = await self.decodes.round_delta()
+        self.decodes.check(decodes, len(loop.rounds))
+        total_ms = (time.perf_counter() - round_.started) * 1e3
+        drafted, acceptance = round_.drafted, round_.acceptance
+        record = RoundRecord(
+            n_drafted=len(drafted.tokens),
+            n_accepted=acceptance.n_accepted,
+            n_committed=round_.n_committed,
+            draft_ms=round_.draft_ms,
+            verify_ms=round_.verify_ms,
+            overhead_ms=max(total_ms - round_.draft_ms - round_.verify_ms, 0.0),
+            decodes=decodes,
+            prompt_tokens=prompt_tokens,
+            first=not loop.rounds,
+            n_matched=acceptance.n_matched if isinstance(acceptance, SampledAcceptance) else None,
+            n_reused=drafted.reused,
+            draft_ready_ms=(round_.verify_start - round_.started) * 1e3,
+            verify_sent_ms=(round_.verify_start - round_.started) * 1e3,
+            verify_back_ms=(round_.verify_back - round_.started) * 1e3,
+            server_idle_ms=(round_.verify_start - loop.last_back) * 1e3,
+            drafter_idle_ms=max(round_.drafter_idle_ms, 0.0),
+            round_ms=total_ms,
+            catch_up=loop.after_run,
+            draft_probs=drafted.probs,
+            fresh_tokens=drafted.fresh,
+            fresh_ms=drafted.fresh_ms,
+            resynced=drafted.resynced,
+            drafted_ahead=round_.drafted_ahead,
+        )
+        loop.last_back = round_.verify_back
+        if record.drafted_ahead is not None:
+            loop.awaiting_overlap = record
+        self._close_round(loop, record)
+        loop.after_run = round_.plan.one_slot
+
+    def _close_round(self, loop: LoopState, record: RoundRecord) -> None:
+        loop.rounds.append(record)
+        self.policies.observe(record)
+        if self.observer is not None:
+            self.observer.observe_round(record)

@@ -1,0 +1,32 @@
+"""What a generation is asked for (per request) and how the engine runs (per proxy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proxy.policies import OverlapMode
+from proxy.upstream import SamplingSpec
+
+
+@dataclass
+class GenerationParams:
+    """One request's parameters the engine honours losslessly."""
+
+    n_predict: int = -1  # after merging the server's default; -1 means unlimited
+    stop: list[str] = field(default_factory=list)
+    sampling: SamplingSpec | None = None  # None: greedy
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The same for every request of one proxy."""
+
+    k: int = 4  # the most drafts a round may verify
+    adaptive: bool = True  # greedy: choose each round's length (proxy.policies.draft_length)
+    # greedy: draft while the server verifies (proxy.policies.overlap decides)
+    overlap: OverlapMode = "auto"
+    # greedy: start the next round's draft as soon as the verify result is known, behind
+    # the proxy's own work on the round (else when the next round starts)
+    early_draft: bool = True
+    check_decodes: bool = False  # count the server's decodes per round; warn when not one
+    strict_decodes: bool = False  # ... and fail the generation instead (implies checking)

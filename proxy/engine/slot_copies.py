@@ -1,0 +1,113 @@
+"""Slot copies: a slot that holds the context, saved and restored into the slots the
+rounds use, instead of each of them prefilling it inside a verify batch.
+
+Only speed depends on them: a failed or skipped copy means those slots prefill in the
+next verify batch, exactly as without copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
+
+log = logging.getLogger(__name__)
+
+
+class SlotReplicator:
+    """Cold start without k+1 prefills: after a first plain round prefilled one slot,
+    save that slot server-side and restore it into k idle slots (a save and a restore
+    cost far less than a prefill; docs/BENCHMARKS.md, "Measurements behind design
+    choices")."""
+
+    def __init__(self, upstream: UpstreamClient, min_prompt: int = 64) -> None:
+        self.upstream = upstream
+        self.min_prompt = min_prompt  # shorter prompts prefill in the batch just as well
+        self.available = True  # False once the server refused (no --slot-save-path)
+
+    def worth_copying(self, n_fresh: int) -> bool:
+        """Copy a slot only when its prefill would cost the others more than a copy."""
+        return n_fresh >= self.min_prompt
+
+    async def replicate(self, id_slot: int, copies: int, filename: str) -> int:
+        """Copy slot `id_slot` into up to `copies` idle slots; returns how many."""
+        if not self.available or copies <= 0 or id_slot < 0:
+            return 0
+        try:
+            await self.upstream.slot_action(id_slot, "save", filename)
+            slots = await self.upstream.slots()
+            idle = [s["id"] for s in slots if not s.get("is_processing") and s["id"] != id_slot]
+            for target in idle[:copies]:
+                await self.upstream.slot_action(target, "restore", filename)
+            return min(copies, len(idle))
+        except (UpstreamClientError, UpstreamError) as exc:
+            # 501 without --slot-save-path; whatever the cause, only speed is lost
+            self.available = False
+            log.warning("slot save/restore unavailable (%s); prefilling in the batch", exc)
+            return 0
+
+
+@dataclass(frozen=True)
+class FirstRound:
+    """How a generation's first round fills the slots."""
+
+    replicate: bool = False  # prefill one slot, then copy it into the others
+    # prefill one slot and copy none: plain runs are the cheaper side, and copying a long
+    # context costs more (a slot holds the whole context's KV; docs/BENCHMARKS.md,
+    # "Measurements behind design choices") than a later probe of speculation pays to
+    # catch up the few slots it uses
+    one_slot: bool = False
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the round drafts (a round that prefills one slot verifies nothing)."""
+        return not (self.replicate or self.one_slot)
+
+
+class SlotCopies:
+    """When one generation copies the slot that holds its context into the others."""
+
+    def __init__(
+        self,
+        replicator: SlotReplicator | None,
+        slot_file: str,
+        n_prompt: int,
+        slots_to_copy: Callable[[], int],
+    ) -> None:
+        self.replicator = replicator
+        self.slot_file = slot_file
+        self.n_prompt = n_prompt
+        self.slots_to_copy = slots_to_copy  # the draft-length policy's measured need
+
+    def first_round(self, plain_preferred: bool) -> FirstRound:
+        """The plan of a first round that has a drafter: one slot is prefilled (and
+        copied where copying is on and the prompt long enough) unless all k+1 prefill
+        in its verify batch."""
+        if plain_preferred:
+            return FirstRound(one_slot=True)
+        replicator = self.replicator
+        replicate = (
+            replicator is not None
+            and replicator.available
+            and self.n_prompt >= replicator.min_prompt
+        )
+        return FirstRound(replicate=replicate)
+
+    async def after_first_round(self, id_slot: int, n_cached: int) -> None:
+        """Copy the slot the first round prefilled. A new turn of a conversation whose
+        slots already hold its history has little to copy: the other slots catch up in
+        the next batch."""
+        assert self.replicator is not None
+        if self.replicator.worth_copying(self.n_prompt - n_cached):
+            await self.replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
+
+    async def catch_up(self, id_slot: int, lag: int) -> None:
+        """Before speculating after plain runs (or after a first round that prefilled
+        one slot): copies of that slot, where copying is on and the others lag by
+        enough tokens to be worth it."""
+        replicator = self.replicator
+        if replicator is None or not replicator.available or not replicator.worth_copying(lag):
+            return
+        await replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
