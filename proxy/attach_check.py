@@ -136,26 +136,7 @@ async def check_upstream(
         findings.append(Finding("ok", f"llama-server at {base_url} is healthy"))
         props = await upstream.props()
         slots = int(props.get("total_slots", 1))
-        need = conversations * (k + 1)
-        if slots < k + 1:
-            findings.append(
-                Finding(
-                    "error",
-                    f"{slots} slots; k={k} needs {k + 1} per conversation",
-                    f"-np {need + 1}",
-                )
-            )
-        elif slots < need:
-            findings.append(
-                Finding(
-                    "warning",
-                    f"{slots} slots serve {slots // (k + 1)} of {conversations} "
-                    "conversations at once; the rest queue",
-                    f"-np {need + 1}",
-                )
-            )
-        else:
-            findings.append(Finding("ok", f"{slots} slots: {slots // (k + 1)} conversations"))
+        findings.append(_slots_finding(slots, k, conversations))
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx", 0))
         findings.append(Finding("ok", f"context per slot: {n_ctx} tokens"))
         if not props.get("endpoint_metrics", False):
@@ -174,37 +155,55 @@ async def check_upstream(
         except (UpstreamError, UpstreamClientError, KeyError) as exc:
             findings.append(Finding("error", f"verify probe failed: {exc!r}"))
             return findings
-        later = rounds[1:]
-        if any(r.decodes != 1 for r in later):
-            findings.append(
-                Finding(
-                    "error",
-                    f"verify rounds took {[r.decodes for r in later]} decodes instead of 1 each",
-                    "-kvu --no-cache-idle-slots -cram 0",
-                )
-            )
-        elif any(r.prompt_tokens > r.bound for r in later):
-            findings.append(
-                Finding(
-                    "error",
-                    "every verify round re-prefills the slots ("
-                    + ", ".join(f"{r.prompt_tokens} tokens, expected <= {r.bound}" for r in later)
-                    + "): idle-slot caching wipes them",
-                    "--no-cache-idle-slots -cram 0",
-                )
-            )
-        else:
-            findings.append(Finding("ok", "one llama_decode per verify round, no re-prefill"))
-        try:
-            await upstream.slot_action(0, "save", "npu-spec-attach-check.bin")
-            findings.append(Finding("ok", "slot save/restore on: cold starts prefill once"))
-        except (UpstreamError, UpstreamClientError) as exc:
-            findings.append(
-                Finding(
-                    "warning",
-                    f"slot save/restore unavailable ({exc}): a cold start prefills k+1 slots",
-                    "--slot-save-path DIR",
-                )
-            )
+        findings.append(_rounds_finding(rounds[1:]))
+        findings.append(await _slot_save_finding(upstream))
         findings.append(_unified_kv_finding(server_command))
     return findings
+
+
+def _slots_finding(slots: int, k: int, conversations: int) -> Finding:
+    need = conversations * (k + 1)
+    if slots < k + 1:
+        return Finding(
+            "error", f"{slots} slots; k={k} needs {k + 1} per conversation", f"-np {need + 1}"
+        )
+    if slots < need:
+        return Finding(
+            "warning",
+            f"{slots} slots serve {slots // (k + 1)} of {conversations} "
+            "conversations at once; the rest queue",
+            f"-np {need + 1}",
+        )
+    return Finding("ok", f"{slots} slots: {slots // (k + 1)} conversations")
+
+
+def _rounds_finding(later: list[ProbeRound]) -> Finding:
+    """One decode per verify round and no re-prefill, judged on the rounds after
+    the first (the first ingests the prompt)."""
+    if any(r.decodes != 1 for r in later):
+        return Finding(
+            "error",
+            f"verify rounds took {[r.decodes for r in later]} decodes instead of 1 each",
+            "-kvu --no-cache-idle-slots -cram 0",
+        )
+    if any(r.prompt_tokens > r.bound for r in later):
+        return Finding(
+            "error",
+            "every verify round re-prefills the slots ("
+            + ", ".join(f"{r.prompt_tokens} tokens, expected <= {r.bound}" for r in later)
+            + "): idle-slot caching wipes them",
+            "--no-cache-idle-slots -cram 0",
+        )
+    return Finding("ok", "one llama_decode per verify round, no re-prefill")
+
+
+async def _slot_save_finding(upstream: UpstreamClient) -> Finding:
+    try:
+        await upstream.slot_action(0, "save", "npu-spec-attach-check.bin")
+    except (UpstreamError, UpstreamClientError) as exc:
+        return Finding(
+            "warning",
+            f"slot save/restore unavailable ({exc}): a cold start prefills k+1 slots",
+            "--slot-save-path DIR",
+        )
+    return Finding("ok", "slot save/restore on: cold starts prefill once")

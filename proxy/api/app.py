@@ -7,13 +7,13 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from proxy.api import shapes
+from proxy.api import formats, shapes
 from proxy.api.errors import error_response, json_error_response, upstream_error_response
 from proxy.api.guard import (
     NOT_JSON,
@@ -23,8 +23,14 @@ from proxy.api.guard import (
     parsed_body,
 )
 from proxy.api.passthrough import HEADER, forward
-from proxy.api.requests import NotEligible, PromptSpec, parse_chat, parse_completion
-from proxy.api.tool_calls import ToolTriggers, fallback_events, server_stream
+from proxy.api.requests import (
+    NotEligible,
+    PromptSpec,
+    SpecParams,
+    parse_chat,
+    parse_completion,
+)
+from proxy.api.tool_calls import ToolTriggers, server_stream
 from proxy.drafter_guard import DrafterSupervisor
 from proxy.engine import (
     AsyncDrafter,
@@ -250,11 +256,13 @@ async def metrics(request: web.Request) -> web.Response:
 PLAIN_PREFERRED = "plain decoding is measured faster than speculating here"
 
 
-def _plain_preferred(state: ProxyState, sampling: SamplingSpec | None) -> bool:
+def _pass_while_plain_preferred(state: ProxyState, params: SpecParams) -> None:
     """While plain runs are the measured choice, requests go to llama-server whole
-    (its own decoding loop and streaming), except the ones that re-measure."""
-    gate = _run_gate(state, sampling)
-    return gate is not None and gate.pass_through()
+    (its own decoding loop and streaming), except the ones that re-measure; checked
+    before the prompt is tokenized."""
+    gate = _run_gate(state, params.sampling)
+    if gate is not None and gate.pass_through():
+        raise NotEligible(PLAIN_PREFERRED)
 
 
 def _run_gate(state: ProxyState, sampling: SamplingSpec | None) -> PlainRunGate | None:
@@ -358,16 +366,54 @@ def _upstream_failure(state: ProxyState, exc: UpstreamError) -> web.Response:
 # -- speculative routes --------------------------------------------------------------
 
 
+@dataclass
+class RequestPrompt:
+    """A speculative request's prompt, read by its route."""
+
+    params: SpecParams
+    tokens: list[int]
+    text: str  # the prompt as the server prints it back
+    triggers: list[str] = field(default_factory=list)  # tool-call triggers: the engine stops there
+
+
+PromptReader = Callable[[ProxyState, dict[str, Any]], Awaitable[RequestPrompt]]
+
+
 async def completion_native(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, "native")
+    return await _serve(request, _read_native_completion, formats.NativeCompletion)
 
 
 async def completion_oai(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, "oai")
+    return await _serve(request, _read_oai_completion, formats.OaiCompletion)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, "chat")
+    return await _serve(request, _read_chat, formats.ChatCompletion)
+
+
+async def _read_chat(state: ProxyState, body: dict[str, Any]) -> RequestPrompt:
+    params = parse_chat(body, state.defaults)
+    _pass_while_plain_preferred(state, params)
+    triggers = await state.tool_triggers.words(body) if params.offers_tools else []
+    prompt_text = await state.upstream.apply_template(body)
+    tokens = await state.upstream.tokenize(prompt_text, add_special=True)
+    return RequestPrompt(params, tokens, prompt_text, triggers)
+
+
+async def _read_completion(state: ProxyState, body: dict[str, Any], oai: bool) -> RequestPrompt:
+    prompt, params = parse_completion(body, state.defaults, oai=oai)
+    _pass_while_plain_preferred(state, params)
+    tokens = await _tokenize_prompt(state.upstream, prompt)
+    prompt_text = await state.upstream.detokenize(tokens)
+    return RequestPrompt(params, tokens, prompt_text)
+
+
+async def _read_native_completion(state: ProxyState, body: dict[str, Any]) -> RequestPrompt:
+    return await _read_completion(state, body, oai=False)
+
+
+async def _read_oai_completion(state: ProxyState, body: dict[str, Any]) -> RequestPrompt:
+    return await _read_completion(state, body, oai=True)
 
 
 async def _tokenize_prompt(upstream: UpstreamClient, prompt: PromptSpec) -> list[int]:
@@ -377,9 +423,11 @@ async def _tokenize_prompt(upstream: UpstreamClient, prompt: PromptSpec) -> list
     return await upstream.tokenize(prompt, add_special=True, parse_special=True)
 
 
-async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
+async def _serve(
+    request: web.Request, read: PromptReader, response_format: type[formats.ResponseFormat]
+) -> web.StreamResponse:
     try:
-        return await _serve_request(request, kind)
+        return await _serve_request(request, read, response_format)
     except asyncio.CancelledError:
         # The client went away, at whatever point: a queued waiter was removed, the
         # engine's finally closed the draft session, the slot group went back, and
@@ -388,7 +436,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         raise
 
 
-async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
+async def _serve_request(
+    request: web.Request, read: PromptReader, response_format: type[formats.ResponseFormat]
+) -> web.StreamResponse:
     state = request.app[STATE]
     request_id = f"r{next(_request_ids)}"
     raw = await request.read()
@@ -403,32 +453,18 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
     body = parsed_body(request)  # the guard parsed every non-empty body
     if body is None or body is NOT_JSON:
         return await pass_on("no JSON body: the server answers with its own error")
-    triggers: list[str] = []  # tool-call triggers: the engine stops there
     try:
-        if kind == "chat":
-            params = parse_chat(body, state.defaults)
-            if _plain_preferred(state, params.sampling):
-                return await pass_on(PLAIN_PREFERRED)
-            if params.offers_tools:
-                triggers = await state.tool_triggers.words(body)
-            prompt_text = await state.upstream.apply_template(body)
-            tokens = await state.upstream.tokenize(prompt_text, add_special=True)
-        else:
-            prompt, params = parse_completion(body, state.defaults, oai=kind == "oai")
-            if _plain_preferred(state, params.sampling):
-                return await pass_on(PLAIN_PREFERRED)
-            tokens = await _tokenize_prompt(state.upstream, prompt)
-            prompt_text = await state.upstream.detokenize(tokens)
+        prompt = await read(state, body)
     except NotEligible as exc:
         return await pass_on(str(exc))
     except UpstreamClientError as exc:
         return await pass_on(f"server refused a helper call: {exc}")
     except UpstreamError as exc:
         return _upstream_failure(state, exc)
-    if not tokens:
+    if not prompt.tokens:
         return await pass_on("empty prompt")
     vocab = state.guard.n_vocab
-    if vocab is not None and any(not 0 <= t < vocab for t in tokens):
+    if vocab is not None and any(not 0 <= t < vocab for t in prompt.tokens):
         # the server's own answer for such a prompt (server-common.cpp validate)
         return error_response(400, "Prompt contains invalid tokens", spec_header="speculative")
 
@@ -442,50 +478,72 @@ async def _serve_request(request: web.Request, kind: str) -> web.StreamResponse:
         return await pass_on(str(exc))
     try:
         state.metrics.observe_request("speculative")
-        ctx = shapes.ResponseContext(
-            model=state.model_name,
-            build_info=state.build_info,
-            n_prompt=len(tokens),
-            prompt_text=prompt_text,
-            generation_settings=shapes.generation_settings(
-                state.settings_template, body, params.n_predict, params.stop, params.stream
-            ),
-            include_usage=params.include_usage,
-            return_tokens=bool(body.get("return_tokens", False)),
-            timings_per_token=params.timings_per_token,
-            return_progress=params.return_progress,
-            reasoning_format=params.reasoning_format,
+        answer = response_format(_response_context(state, body, prompt))
+        generation = await _start_generation(
+            state, prompt.tokens, prompt.params, prompt.triggers, group, request_id
         )
-        generation = Generation(
-            state.upstream,
-            tokens,
-            GenerationParams(
-                n_predict=params.n_predict,
-                stop=params.stop + [t for t in triggers if t not in params.stop],
-                sampling=params.sampling,
-            ),
-            n_ctx=state.n_ctx,
-            drafter=await state.drafters.open(),
-            pieces=state.pieces,
-            observer=state.metrics,
-            settings=state.engine_settings,
-            request_id=request_id,
-            replicator=state.replicator,
-            slot_file=f"{state.slot_file_stem}-g{group}.bin",  # one file per group
-            policies=Policies(
-                state.draft_lengths, state.overlap_policy, _run_gate(state, params.sampling)
-            ),
-        )
-        log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, len(tokens))
-        tool_call = ToolCallStart(triggers, params.stop, body)
-        if params.stream:
-            return await _stream(request, state, kind, generation, ctx, prompt_text, tool_call)
-        response = await _complete(state, kind, generation, ctx, prompt_text, tool_call)
+        n_prompt = len(prompt.tokens)
+        log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, n_prompt)
+        tool_call = ToolCallStart(prompt.triggers, prompt.params.stop, body)
+        if prompt.params.stream:
+            return await _stream(request, state, answer, generation, tool_call)
+        response = await _complete(state, answer, generation, tool_call)
         if response is None:  # the model started a tool call: the server writes it
             return await pass_on("the model started a tool call")
         return response
     finally:
         state.scheduler.release(group)
+
+
+def _response_context(
+    state: ProxyState, body: dict[str, Any], prompt: RequestPrompt
+) -> shapes.ResponseContext:
+    params = prompt.params
+    return shapes.ResponseContext(
+        model=state.model_name,
+        build_info=state.build_info,
+        n_prompt=len(prompt.tokens),
+        prompt_text=prompt.text,
+        generation_settings=shapes.generation_settings(
+            state.settings_template, body, params.n_predict, params.stop, params.stream
+        ),
+        include_usage=params.include_usage,
+        return_tokens=bool(body.get("return_tokens", False)),
+        timings_per_token=params.timings_per_token,
+        return_progress=params.return_progress,
+        reasoning_format=params.reasoning_format,
+    )
+
+
+async def _start_generation(
+    state: ProxyState,
+    tokens: list[int],
+    params: SpecParams,
+    triggers: list[str],
+    group: int,
+    request_id: str,
+) -> Generation:
+    """The engine's generation for one request, on slot group `group`."""
+    return Generation(
+        state.upstream,
+        tokens,
+        GenerationParams(
+            n_predict=params.n_predict,
+            stop=params.stop + [t for t in triggers if t not in params.stop],
+            sampling=params.sampling,
+        ),
+        n_ctx=state.n_ctx,
+        drafter=await state.drafters.open(),
+        pieces=state.pieces,
+        observer=state.metrics,
+        settings=state.engine_settings,
+        request_id=request_id,
+        replicator=state.replicator,
+        slot_file=f"{state.slot_file_stem}-g{group}.bin",  # one file per group
+        policies=Policies(
+            state.draft_lengths, state.overlap_policy, _run_gate(state, params.sampling)
+        ),
+    )
 
 
 @dataclass
@@ -521,10 +579,8 @@ def _engine_error(state: ProxyState, exc: Exception) -> web.Response:
 
 async def _complete(
     state: ProxyState,
-    kind: str,
+    answer: formats.ResponseFormat,
     generation: Generation,
-    ctx: shapes.ResponseContext,
-    prompt_text: str,
     tool_call: ToolCallStart,
 ) -> web.Response | None:
     """The response, or None when the model started a tool call."""
@@ -537,39 +593,37 @@ async def _complete(
     assert result is not None
     if tool_call.reached(result):
         return None
-    if kind == "native":
-        return _spec_json(shapes.native_final(ctx, result, False, ctx.return_tokens))
-    if kind == "oai":
-        return _spec_json(shapes.oai_completion_final(ctx, result, stream=False))
-    message = shapes.parse_chat_output(
-        shapes.text(result.content), shapes.thinking_prefix(prompt_text), ctx.reasoning_format
-    )
-    return _spec_json(shapes.chat_final(ctx, result, message))
+    return _spec_json(answer.body(result))
 
 
-class _ChatStreamState:
-    def __init__(self, prefix: str, reasoning_format: str) -> None:
-        self.prefix = prefix
-        self.reasoning_format = reasoning_format
-        self.text = ""
-        self.message = shapes.ChatMessage(content="")
-        self.role_sent = False  # the opening {"role": "assistant"} chunk
+@dataclass
+class _StreamClock:
+    """When the request started and its first token came: the running timings."""
 
-    def update(self, added: str) -> dict[str, Any] | None:
-        self.text += added
-        parsed = shapes.parse_chat_output(self.text, self.prefix, self.reasoning_format)
-        diff = shapes.chat_diff(self.message, parsed)
-        self.message = parsed
-        return diff
+    started: float
+    first_token_at: float
+
+    @property
+    def prompt_ms(self) -> float:
+        return (self.first_token_at - self.started) * 1e3
+
+    def running_timings(self, ctx: shapes.ResponseContext, event: TokenEvent) -> dict | None:
+        if not ctx.timings_per_token:
+            return None
+        predicted_ms = (time.perf_counter() - self.first_token_at) * 1e3
+        return shapes.running_timings(ctx.n_prompt, event.n_decoded, self.prompt_ms, predicted_ms)
+
+
+async def _write_chunks(response: web.StreamResponse, chunks: list[dict[str, Any]]) -> None:
+    for chunk in chunks:
+        await response.write(shapes.sse(chunk))
 
 
 async def _stream(
     request: web.Request,
     state: ProxyState,
-    kind: str,
+    answer: formats.ResponseFormat,
     generation: Generation,
-    ctx: shapes.ResponseContext,
-    prompt_text: str,
     tool_call: ToolCallStart,
 ) -> web.StreamResponse:
     started = time.perf_counter()
@@ -586,89 +640,23 @@ async def _stream(
     response.content_type = "text/event-stream"
     response.headers[HEADER] = "speculative"
     await response.prepare(request)
-    chat = (
-        _ChatStreamState(shapes.thinking_prefix(prompt_text), ctx.reasoning_format)
-        if kind == "chat"
-        else None
-    )
-    held: TokenEvent | None = None  # a stop-word token's chunk carries the final timings
-    first_token_at = time.perf_counter()
-    if ctx.return_progress:
-        # The server reports the prompt's start and its end (one batch for the prompts
-        # served here); the engine's prompt work is over once the first token exists.
-        prompt_ms = (first_token_at - started) * 1e3
-        for processed, time_ms in ((0, 0.0), (ctx.n_prompt, prompt_ms)):
-            progress = shapes.prompt_progress(ctx.n_prompt, processed, time_ms)
-            await response.write(shapes.sse(shapes.progress_chunk(ctx, kind, progress)))
-
-    def running(event: TokenEvent) -> dict | None:
-        if not ctx.timings_per_token:
-            return None
-        now = time.perf_counter()
-        return shapes.running_timings(
-            ctx.n_prompt,
-            event.n_decoded,
-            (first_token_at - started) * 1e3,
-            (now - first_token_at) * 1e3,
-        )
-
-    async def emit(event: TokenEvent, timings: dict | None = None) -> None:
-        if kind == "native":
-            await response.write(shapes.sse(shapes.native_partial(ctx, event, timings)))
-        elif kind == "oai":
-            await response.write(shapes.sse(shapes.oai_completion_partial(ctx, event, timings)))
-        else:
-            assert chat is not None
-            chunks = []
-            if event.n_decoded == 1:
-                chunks.append(shapes.chat_chunk(ctx, {"role": "assistant", "content": None}))
-                chat.role_sent = True
-            diff = chat.update(shapes.text(event.text))
-            if diff:
-                chunks.append(shapes.chat_chunk(ctx, diff))
-            if chunks and timings is not None:
-                chunks[-1]["timings"] = timings
-            for chunk in chunks:
-                await response.write(shapes.sse(chunk))
-
+    clock = _StreamClock(started, first_token_at=time.perf_counter())
+    if answer.ctx.return_progress:
+        await _write_progress(response, answer, clock)
     try:
-        event = first
-        while event is not None:
-            if event.sent:
-                if event.stopped_by_word:
-                    held = event
-                else:
-                    await emit(event, running(event))
-            try:
-                event = await anext(events)
-            except StopAsyncIteration:
-                event = None
+        held = await _stream_tokens(response, answer, events, first, clock)
         result = generation.result
         assert result is not None
-        if chat is not None and tool_call.reached(result):
-            # the text so far is the server's; it writes the tool call and the end
-            sent = chat.message
+        if tool_call.reached(result):  # the server writes the tool call and the end
             server = [e async for e in server_stream(state.upstream, tool_call.body)]
-            role_sent = chat.role_sent
-            for chunk in fallback_events(server, sent.content, sent.reasoning_content, role_sent):
-                chunk.update({"id": ctx.cmpl_id, "created": ctx.created})
-                await response.write(shapes.sse(chunk))
+            await _write_chunks(response, answer.tool_call_chunks(server))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
         if held is not None:
-            await emit(held, result.timings())
-        if kind == "native":
-            await response.write(
-                shapes.sse(shapes.native_final(ctx, result, True, ctx.return_tokens))
-            )
-        elif kind == "oai":
-            await response.write(shapes.sse(shapes.oai_completion_final(ctx, result, stream=True)))
-            await response.write(b"data: [DONE]\n\n")
-        else:
-            assert chat is not None
-            for chunk in shapes.chat_final_chunks(ctx, result, chat.update("")):
-                await response.write(shapes.sse(chunk))
+            await _write_chunks(response, answer.token_chunks(held, result.timings()))
+        await _write_chunks(response, answer.end_chunks(result))
+        if answer.ends_with_done:
             await response.write(b"data: [DONE]\n\n")
     except (ConnectionResetError, asyncio.CancelledError):
         await events.aclose()
@@ -682,6 +670,42 @@ async def _stream(
         await events.aclose()
     await response.write_eof()
     return response
+
+
+async def _write_progress(
+    response: web.StreamResponse, answer: formats.ResponseFormat, clock: _StreamClock
+) -> None:
+    # The server reports the prompt's start and its end (one batch for the prompts
+    # served here); the engine's prompt work is over once the first token exists.
+    n_prompt = answer.ctx.n_prompt
+    for processed, time_ms in ((0, 0.0), (n_prompt, clock.prompt_ms)):
+        progress = shapes.prompt_progress(n_prompt, processed, time_ms)
+        await response.write(shapes.sse(answer.progress_chunk(progress)))
+
+
+async def _stream_tokens(
+    response: web.StreamResponse,
+    answer: formats.ResponseFormat,
+    events: AsyncIterator[TokenEvent],
+    first: TokenEvent | None,
+    clock: _StreamClock,
+) -> TokenEvent | None:
+    """Send each token's chunks as it comes; returns the held chunk of a token that
+    ended on a stop word, which carries the final timings."""
+    held: TokenEvent | None = None
+    event = first
+    while event is not None:
+        if event.sent:
+            if event.stopped_by_word:
+                held = event
+            else:
+                timings = clock.running_timings(answer.ctx, event)
+                await _write_chunks(response, answer.token_chunks(event, timings))
+        try:
+            event = await anext(events)
+        except StopAsyncIteration:
+            event = None
+    return held
 
 
 def _stream_error(state: ProxyState, exc: Exception) -> dict[str, Any]:

@@ -62,48 +62,59 @@ async def forward(
             ),
             allow_redirects=False,
         )
-    except TimeoutError:
-        return upstream_error_response(
-            UpstreamError(upstream.base_url, f"{request.method} {request.path} timed out", 504),
-            spec_header="passthrough",
-        )
-    except aiohttp.ClientConnectorError as exc:
-        return upstream_error_response(
-            UpstreamError(upstream.base_url, f"cannot connect ({exc.os_error})", 503),
-            spec_header="passthrough",
-        )
-    except aiohttp.ClientError as exc:
-        return upstream_error_response(
-            UpstreamError(upstream.base_url, f"{request.method} {request.path}: {exc!r}", 502),
-            spec_header="passthrough",
-        )
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return _unreachable(request, upstream, exc)
     async with upstream_response:
-        response = web.StreamResponse(
-            status=upstream_response.status, reason=upstream_response.reason
-        )
-        for key, value in upstream_response.headers.items():
-            if key.lower() not in _DROP_RESPONSE:
-                response.headers.add(key, value)
-        response.headers[HEADER] = "passthrough"
-        length = upstream_response.headers.get("Content-Length")
-        if length is not None:
-            response.content_length = int(length)
+        response = _mirrored_head(upstream_response)
         await response.prepare(request)
         # A client that goes away cancels this handler; leaving the `async with`
         # closes the upstream connection, which makes llama-server drop the task.
-        try:
-            async for chunk in upstream_response.content.iter_any():
-                await response.write(chunk)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            reason = "stalled" if isinstance(exc, TimeoutError) else f"broke off ({exc!r})"
-            log.warning("pass-through %s %s: llama-server %s", request.method, request.path,
-                        reason)  # fmt: skip
-            if upstream_response.content_type == "text/event-stream":
-                # an SSE client gets the server's own way of ending a failed stream
-                error = {"code": 502, "message": f"upstream llama-server {reason}",
-                         "type": "server_error"}  # fmt: skip
-                await response.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
-            else:
-                raise UpstreamBroke(f"upstream answer to {request.path} cut off") from exc
+        await _relay_body(request, upstream_response, response)
         await response.write_eof()
         return response
+
+
+def _unreachable(
+    request: web.Request, upstream: UpstreamClient, exc: TimeoutError | aiohttp.ClientError
+) -> web.Response:
+    """The error answer for a request the server never answered."""
+    if isinstance(exc, TimeoutError):
+        error = UpstreamError(upstream.base_url, f"{request.method} {request.path} timed out", 504)
+    elif isinstance(exc, aiohttp.ClientConnectorError):
+        error = UpstreamError(upstream.base_url, f"cannot connect ({exc.os_error})", 503)
+    else:
+        error = UpstreamError(upstream.base_url, f"{request.method} {request.path}: {exc!r}", 502)
+    return upstream_error_response(error, spec_header="passthrough")
+
+
+def _mirrored_head(upstream_response: aiohttp.ClientResponse) -> web.StreamResponse:
+    """The server's status and end-to-end headers, marked as passed through."""
+    response = web.StreamResponse(status=upstream_response.status, reason=upstream_response.reason)
+    for key, value in upstream_response.headers.items():
+        if key.lower() not in _DROP_RESPONSE:
+            response.headers.add(key, value)
+    response.headers[HEADER] = "passthrough"
+    length = upstream_response.headers.get("Content-Length")
+    if length is not None:
+        response.content_length = int(length)
+    return response
+
+
+async def _relay_body(
+    request: web.Request, upstream_response: aiohttp.ClientResponse, response: web.StreamResponse
+) -> None:
+    """Copy the server's body as it comes. A body cut off by the server ends an SSE
+    stream with an error event and drops any other client connection."""
+    try:
+        async for chunk in upstream_response.content.iter_any():
+            await response.write(chunk)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        reason = "stalled" if isinstance(exc, TimeoutError) else f"broke off ({exc!r})"
+        log.warning("pass-through %s %s: llama-server %s", request.method, request.path, reason)
+        if upstream_response.content_type == "text/event-stream":
+            # an SSE client gets the server's own way of ending a failed stream
+            error = {"code": 502, "message": f"upstream llama-server {reason}",
+                     "type": "server_error"}  # fmt: skip
+            await response.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
+        else:
+            raise UpstreamBroke(f"upstream answer to {request.path} cut off") from exc

@@ -202,6 +202,30 @@ _HARD_LIMITS = {
 
 
 def _check_common(body: dict[str, Any], defaults: dict[str, Any], allowed: set[str]) -> SpecParams:
+    """The checks and parameters every speculative route shares; the first check that
+    fails names the reason."""
+    _check_fields(body, defaults, allowed)
+    sampling = chain_decision(body, defaults)
+    n_predict = _token_limit(body, defaults)
+    stop = _stop_words(body.get("stop"))
+    include_usage = _include_usage(body.get("stream_options"))
+    if "model" in body and not isinstance(body["model"], str):
+        raise NotEligible("model is not a string")
+    return SpecParams(
+        n_predict=n_predict,
+        stop=stop,
+        stream=bool(body.get("stream", False)),
+        include_usage=include_usage,
+        request_fields=body,
+        sampling=sampling,
+        timings_per_token=bool(body.get("timings_per_token", False)),
+        return_progress=bool(body.get("return_progress", False)),
+    )
+
+
+def _check_fields(body: dict[str, Any], defaults: dict[str, Any], allowed: set[str]) -> None:
+    """Only known fields, of the right types, within the server's limits, and none
+    that changes the output in a way the speculative path does not reproduce."""
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise NotEligible(f"fields the speculative path does not handle: {unknown}")
@@ -228,8 +252,9 @@ def _check_common(body: dict[str, Any], defaults: dict[str, Any], allowed: set[s
         raise NotEligible("logprobs requested")
     if "user" in body and not isinstance(body["user"], str | None):
         raise NotEligible("user is not a string")
-    sampling = chain_decision(body, defaults)
 
+
+def _token_limit(body: dict[str, Any], defaults: dict[str, Any]) -> int:
     limits = [k for k in ("n_predict", "max_tokens", "max_completion_tokens") if k in body]
     if len(limits) > 1:
         raise NotEligible(f"several token limits given: {limits}")
@@ -238,35 +263,25 @@ def _check_common(body: dict[str, Any], defaults: dict[str, Any], allowed: set[s
         raise NotEligible("invalid n_predict")
     if n_predict == 0:
         raise NotEligible("n_predict = 0 only evaluates the prompt")
+    return n_predict
 
-    stop_value = body.get("stop")
+
+def _stop_words(stop_value: Any) -> list[str]:
     if stop_value is None:
-        stop: list[str] = []
-    elif isinstance(stop_value, str):
-        stop = [stop_value]
-    elif isinstance(stop_value, list) and all(isinstance(s, str) for s in stop_value):
-        stop = [s for s in stop_value if s]
-    else:
-        raise NotEligible("stop is not a string or a list of strings")
+        return []
+    if isinstance(stop_value, str):
+        return [stop_value]
+    if isinstance(stop_value, list) and all(isinstance(s, str) for s in stop_value):
+        return [s for s in stop_value if s]
+    raise NotEligible("stop is not a string or a list of strings")
 
-    stream_options = body.get("stream_options")
-    include_usage = False
-    if stream_options is not None:
-        if not isinstance(stream_options, dict):
-            raise NotEligible("stream_options is not an object")
-        include_usage = bool(stream_options.get("include_usage", False))
-    if "model" in body and not isinstance(body["model"], str):
-        raise NotEligible("model is not a string")
-    return SpecParams(
-        n_predict=n_predict,
-        stop=stop,
-        stream=bool(body.get("stream", False)),
-        include_usage=include_usage,
-        request_fields=body,
-        sampling=sampling,
-        timings_per_token=bool(body.get("timings_per_token", False)),
-        return_progress=bool(body.get("return_progress", False)),
-    )
+
+def _include_usage(stream_options: Any) -> bool:
+    if stream_options is None:
+        return False
+    if not isinstance(stream_options, dict):
+        raise NotEligible("stream_options is not an object")
+    return bool(stream_options.get("include_usage", False))
 
 
 def _is_function_tool(tool: Any) -> bool:

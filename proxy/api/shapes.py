@@ -1,4 +1,7 @@
-"""Response bodies shaped exactly like llama-server's (tools/server/server-task.cpp).
+"""What every response format shares, shaped exactly like llama-server's
+(tools/server/server-task.cpp): the request's context, `generation_settings`, usage,
+timings, and the chat output parsed as the server's chat parser reads it. The formats
+themselves are in proxy.api.formats.
 
 Key order follows the server's (its JSON objects keep insertion order).
 """
@@ -13,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.engine import GenerationResult
-from proxy.server_text import TokenEvent
 
 
 def dumps(obj: Any) -> str:
@@ -114,107 +116,7 @@ def prompt_progress(n_prompt: int, processed: int, time_ms: float) -> dict[str, 
     return {"total": n_prompt, "cache": 0, "processed": processed, "time_ms": int(time_ms)}
 
 
-def progress_chunk(ctx: ResponseContext, kind: str, progress: dict[str, Any]) -> dict[str, Any]:
-    """A `return_progress` event: the server's partial result for no token
-    (send_partial_response(slot, {}, true): token 0, no text) with `prompt_progress`."""
-    if kind == "native":
-        out: dict[str, Any] = {
-            "index": 0, "content": "", "tokens": [0], "stop": False, "id_slot": -1,
-            "tokens_predicted": 0, "tokens_evaluated": ctx.n_prompt,
-        }  # fmt: skip
-    elif kind == "oai":
-        out = oai_completion_partial(ctx, TokenEvent(token=0, text=b"", sent=True, n_decoded=0))
-    else:
-        out = chat_chunk(ctx, {"role": "assistant", "content": None})
-    out["prompt_progress"] = progress
-    return out
-
-
-# -- /completion (llama.cpp native) ------------------------------------------------
-
-
-def native_partial(
-    ctx: ResponseContext, event: TokenEvent, timings: dict | None = None
-) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "index": 0,
-        "content": text(event.text),
-        "tokens": [event.token],
-        "stop": False,
-        "id_slot": -1,
-        "tokens_predicted": event.n_decoded,
-        "tokens_evaluated": ctx.n_prompt,
-    }
-    if timings is not None:
-        out["timings"] = timings
-    return out
-
-
-def native_final(
-    ctx: ResponseContext, result: GenerationResult, stream: bool, return_tokens: bool
-) -> dict[str, Any]:
-    return {
-        "index": 0,
-        "content": "" if stream else text(result.content),
-        "tokens": list(result.tokens) if return_tokens and not stream else [],
-        "id_slot": 0,
-        "stop": True,
-        "model": ctx.model,
-        "tokens_predicted": len(result.tokens),
-        "tokens_evaluated": ctx.n_prompt,
-        "generation_settings": ctx.generation_settings,
-        "prompt": ctx.prompt_text,
-        "has_new_line": result.has_new_line,
-        "truncated": result.truncated,
-        "stop_type": result.stop_type,
-        "stopping_word": result.stopping_word,
-        "tokens_cached": ctx.n_prompt + max(len(result.tokens) - 1, 0),
-        "timings": result.timings(),
-    }
-
-
-# -- /v1/completions -------------------------------------------------------------
-
-
-def oai_completion_partial(ctx: ResponseContext, event: TokenEvent,
-                           timings: dict | None = None) -> dict[str, Any]:  # fmt: skip
-    out: dict[str, Any] = {
-        "choices": [
-            {"text": text(event.text), "index": 0, "logprobs": None, "finish_reason": None}
-        ],
-        "created": ctx.created,
-        "model": ctx.model,
-        "system_fingerprint": ctx.build_info,
-        "object": "text_completion",
-        "id": ctx.cmpl_id,
-    }
-    if timings is not None:
-        out["timings"] = timings
-    return out
-
-
-def oai_completion_final(ctx: ResponseContext, result: GenerationResult,
-                         stream: bool) -> dict[str, Any]:  # fmt: skip
-    return {
-        "choices": [
-            {
-                "text": "" if stream else text(result.content),
-                "index": 0,
-                "logprobs": None,
-                "finish_reason": finish_reason(result.stop_type),
-            }
-        ],
-        "created": ctx.created,
-        "model": ctx.model,
-        "system_fingerprint": ctx.build_info,
-        "object": "text_completion",
-        "usage": usage(ctx, result),
-        "id": ctx.cmpl_id,
-        "timings": result.timings(),
-    }
-
-
-# -- /v1/chat/completions ---------------------------------------------------------
+# -- chat messages, parsed as the server's chat parser reads the output ---------------
 
 
 @dataclass
@@ -268,45 +170,6 @@ def split_reasoning(
     return ChatMessage(content=content, reasoning_content=reasoning)
 
 
-def chat_message_json(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": "assistant", "content": message.content}
-    if message.reasoning_content:
-        out["reasoning_content"] = message.reasoning_content
-    return out
-
-
-def chat_final(ctx: ResponseContext, result: GenerationResult,
-               message: ChatMessage) -> dict[str, Any]:  # fmt: skip
-    return {
-        "choices": [
-            {
-                "finish_reason": finish_reason(result.stop_type),
-                "index": 0,
-                "message": chat_message_json(message),
-            }
-        ],
-        "created": ctx.created,
-        "model": ctx.model,
-        "system_fingerprint": ctx.build_info,
-        "object": "chat.completion",
-        "usage": usage(ctx, result),
-        "id": ctx.cmpl_id,
-        "timings": result.timings(),
-    }
-
-
-def chat_chunk(ctx: ResponseContext, delta: dict[str, Any],
-               finish: str | None = None) -> dict[str, Any]:  # fmt: skip
-    return {
-        "choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
-        "created": ctx.created,
-        "id": ctx.cmpl_id,
-        "model": ctx.model,
-        "system_fingerprint": ctx.build_info,
-        "object": "chat.completion.chunk",
-    }
-
-
 def chat_diff(before: ChatMessage, after: ChatMessage) -> dict[str, Any] | None:
     """The delta between two parses of the growing message (server_chat_msg_diff)."""
     delta: dict[str, Any] = {}
@@ -315,18 +178,3 @@ def chat_diff(before: ChatMessage, after: ChatMessage) -> dict[str, Any] | None:
     if after.content != before.content:
         delta["content"] = after.content[len(before.content) :]
     return delta or None
-
-
-def chat_final_chunks(ctx: ResponseContext, result: GenerationResult,
-                      last_diff: dict[str, Any] | None) -> list[dict[str, Any]]:  # fmt: skip
-    chunks = []
-    if last_diff:
-        chunks.append(chat_chunk(ctx, last_diff))
-    chunks.append(chat_chunk(ctx, {}, finish_reason(result.stop_type)))
-    if ctx.include_usage:
-        usage_chunk = chat_chunk(ctx, {})
-        usage_chunk["choices"] = []
-        usage_chunk["usage"] = usage(ctx, result)
-        chunks.append(usage_chunk)
-    chunks[-1]["timings"] = result.timings()
-    return chunks

@@ -72,6 +72,18 @@ async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         yield buffer
 
 
+async def _events(stream: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an SSE stream, up to `data: [DONE]` where one is sent."""
+    async for raw in _lines(stream):
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        yield json.loads(payload)
+
+
 async def _after_first_round(
     session: aiohttp.ClientSession, url: str, before: dict[str, float], counter: str | None
 ) -> dict[str, float]:
@@ -135,14 +147,7 @@ async def stream_completion(
         if response.status != 200:
             raise RuntimeError(f"/completion answered {response.status}: {await response.text()}")
         header = response.headers.get(SPEC_HEADER)
-        async for raw in _lines(response.content):
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            chunk = json.loads(payload)
+        async for chunk in _events(response.content):
             new = [int(t) for t in chunk.get("tokens") or []]
             piece = chunk.get("content") or ""
             if new or piece:

@@ -330,13 +330,7 @@ class BenchSession:
         verify_server: VerifyServer | None = None,
     ) -> None:  # fmt: skip
         o = self.options
-        log_name = f"ctx{trial.context}-k{spec.k}-r{trial.repeat}-{spec.kind}"
-        if spec.acceptance is not None:
-            log_name += f"-a{spec.acceptance:g}"
-        if spec.delay_steps is not None:
-            log_name += f"-X{spec.delay_steps:g}"
-        if spec.variant:
-            log_name += f"-{spec.variant}"
+        log_name = _log_name(trial, spec)
         folder = (
             trial.oracle_folders.get((spec.acceptance, spec.delay_ms))
             if spec.kind == "oracle" and spec.acceptance is not None
@@ -382,13 +376,10 @@ class BenchSession:
                 if exact is not None and record["first_mismatch"] is not None:
                     # the verify server (proxy, oracle) or the mode's own server
                     probe = verify_server.base_url if verify_server else instance.base_url
-                    try:
-                        record["near_tie"] = await explain_mismatch(
-                            session, probe, prompt.tokens, trial.outputs[prompt.id].tokens,
-                            exact, record["first_mismatch"],
-                        )  # fmt: skip
-                    except (aiohttp.ClientError, RuntimeError, KeyError, IndexError) as exc:
-                        record["near_tie"] = {"error": f"{type(exc).__name__}: {exc}"}
+                    reference = trial.outputs[prompt.id].tokens
+                    record["near_tie"] = await _near_tie(
+                        session, probe, prompt, reference, exact, record["first_mismatch"]
+                    )
                 self.runs.append(record)
             memory = instance.memory()
         finally:
@@ -556,6 +547,30 @@ class BenchSession:
             "runs": self.runs,
             "errors": self.errors,
         }
+
+
+def _log_name(trial: Trial, spec: ModeSpec) -> str:
+    """The name of a mode's server log in one trial."""
+    name = f"ctx{trial.context}-k{spec.k}-r{trial.repeat}-{spec.kind}"
+    if spec.acceptance is not None:
+        name += f"-a{spec.acceptance:g}"
+    if spec.delay_steps is not None:
+        name += f"-X{spec.delay_steps:g}"
+    if spec.variant:
+        name += f"-{spec.variant}"
+    return name
+
+
+async def _near_tie(
+    session: aiohttp.ClientSession, probe: str, prompt: BenchPrompt, reference: list[int],
+    exact: list[int], mismatch: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Whether an output's first difference from the reference is a near-tie, as the
+    server at `probe` shows it; an error is recorded rather than ending the session."""
+    try:
+        return await explain_mismatch(session, probe, prompt.tokens, reference, exact, mismatch)
+    except (aiohttp.ClientError, RuntimeError, KeyError, IndexError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _draft_timer(now: DraftStats | None, before: DraftStats | None) -> dict[str, float] | None:

@@ -140,17 +140,37 @@ def summarize(
     kind: str, k: int, runs: list[dict[str, Any]], memory: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """One table row: everything measured for one (mode, k, context)."""
+    out = {**_speeds(runs), **_run_counts(runs), **_round_counts(kind, runs)}
+    if kind != "plain":
+        out.update(_acceptance_by_position(runs))
+    steady = _steady_totals(runs)
+    out.update(_round_costs(steady, runs, out["rounds"]))
+    if kind in BUILTIN_KINDS:  # llama.cpp's own drafter timer, where its log had one
+        timed = [r["stats"] for r in runs if "draft_timer_ms" in r["stats"]]
+        out["draft_ms_per_token"] = _ratio(
+            sum(t["draft_timer_ms"] for t in timed), sum(t["draft_timer_tokens"] for t in timed)
+        )
+    a = out.get("acceptance_iid")
+    if kind in SPECULATIVE_KINDS and a is not None and steady["rounds"]:
+        out.update(_prediction(out, a, k, steady))
+    out["memory"] = _peak_memory(memory)
+    return out
+
+
+def _speeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     speeds = repeat_speeds(runs)
-    rounds = sum(r["stats"]["rounds"] for r in runs)
-    drafted = sum(r["stats"]["drafted"] for r in runs)
-    accepted = sum(r["stats"]["accepted"] for r in runs)
-    out: dict[str, Any] = {
+    return {
         "tokens_per_s_median": statistics.median(speeds) if speeds else None,
         "tokens_per_s_min": min(speeds) if speeds else None,
         "tokens_per_s_max": max(speeds) if speeds else None,
         "tokens_per_s_repeats": speeds,
         "tokens_per_s_pooled": _pooled_speed(runs),
         "ttft_ms_median": statistics.median(r["ttft_ms"] for r in runs) if runs else None,
+    }
+
+
+def _run_counts(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
         "n_runs": len(runs),
         "n_equal_to_plain": sum(1 for r in runs if r["equal_to_plain"]),
         # builtin-synth: benchmarking only, its output is not compared
@@ -160,71 +180,100 @@ def summarize(
         "n_exact_checked": sum(1 for r in runs if r.get("exact_checked")),
         "n_speculative": sum(1 for r in runs if r.get("spec_header") == "speculative"),
         "drafter_failures": sum(r["stats"].get("drafter_failures", 0) for r in runs),
+    }
+
+
+def _round_counts(kind: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    rounds = sum(r["stats"]["rounds"] for r in runs)
+    drafted = sum(r["stats"]["drafted"] for r in runs)
+    accepted = sum(r["stats"]["accepted"] for r in runs)
+    generated = sum(r["n_generated"] for r in runs)
+    speculative = kind in SPECULATIVE_KINDS
+
+    def per_round(stat: str) -> float | None:
+        return _ratio(sum(r["stats"].get(stat, 0) for r in runs), rounds) if speculative else None
+
+    return {
         "rounds": rounds,
         "drafted": drafted,
         "accepted": accepted,
         "acceptance": _ratio(accepted, drafted),
         "accepted_per_round": _ratio(accepted, rounds) if kind != "plain" else None,
         "drafted_per_round": _ratio(drafted, rounds) if kind != "plain" else None,
-        "tokens_per_round": _ratio(sum(r["n_generated"] for r in runs), rounds),
+        "tokens_per_round": _ratio(generated, rounds),
         # share of the output the server decoded alone (proxy.plain_runs)
         "plain_run_share": _ratio(
-            sum(r["stats"].get("plain_run_tokens", 0) for r in runs),
-            sum(r["n_generated"] for r in runs),
+            sum(r["stats"].get("plain_run_tokens", 0) for r in runs), generated
         )
-        if kind in ("proxy", "oracle")
+        if speculative
         else None,
     }
-    if kind != "plain":
-        drafted_pos = _sum_lists(r["stats"].get("drafted_per_position", []) for r in runs)
-        accepted_pos = _sum_lists(r["stats"].get("accepted_per_position", []) for r in runs)
-        out["acceptance_per_position"] = [
+
+
+def _acceptance_by_position(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    drafted_pos = _sum_lists(r["stats"].get("drafted_per_position", []) for r in runs)
+    accepted_pos = _sum_lists(r["stats"].get("accepted_per_position", []) for r in runs)
+    return {
+        "acceptance_per_position": [
             _ratio(accepted_pos[i] if i < len(accepted_pos) else 0, n)
             for i, n in enumerate(drafted_pos)
-        ]
-        out["acceptance_iid"] = acceptance_from_positions(drafted_pos, accepted_pos)
+        ],
+        "acceptance_iid": acceptance_from_positions(drafted_pos, accepted_pos),
+    }
+
+
+def _steady_totals(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The steady windows' sums over all runs (proxy and oracle runs have them);
+    only `rounds` where they hold no round."""
     steady = [r["stats"]["steady"] for r in runs if "steady" in r["stats"]]
-    steady_rounds = sum(s["rounds"] for s in steady)
-    if steady_rounds:
-        steady_drafted = sum(s["drafted"] for s in steady)
-        out["draft_ms_per_round"] = sum(s["draft_ms"] for s in steady) / steady_rounds
-        out["verify_ms_per_round"] = sum(s["verify_ms"] for s in steady) / steady_rounds
-        out["overhead_ms_per_round"] = sum(s["overhead_ms"] for s in steady) / steady_rounds
-        out["draft_ms_per_token"] = _ratio(sum(s["draft_ms"] for s in steady), steady_drafted)
+    totals = {"rounds": sum(s["rounds"] for s in steady)}
+    if totals["rounds"]:
+        for key in ("drafted", "draft_ms", "verify_ms", "overhead_ms", "decodes"):
+            totals[key] = sum(s[key] for s in steady)
+        totals["drafted_ahead"] = sum(s.get("drafted_ahead", 0) for s in steady)
+    return totals
+
+
+def _round_costs(
+    steady: dict[str, float], runs: list[dict[str, Any]], rounds: int
+) -> dict[str, Any]:
+    """Milliseconds and decodes per round: the steady rounds' where there are any."""
+    n = steady["rounds"]
+    if not n:
+        return {"decodes_per_round": _ratio(sum(r["stats"]["decodes"] for r in runs), rounds)}
+    return {
+        "draft_ms_per_round": steady["draft_ms"] / n,
+        "verify_ms_per_round": steady["verify_ms"] / n,
+        "overhead_ms_per_round": steady["overhead_ms"] / n,
+        "draft_ms_per_token": _ratio(steady["draft_ms"], steady["drafted"]),
         # per token drafted while the round waited: drafts that were ready from drafting
         # ahead cost the round (almost) nothing, so they would dilute the drafter's cost
-        out["draft_ms_per_fresh_token"] = _ratio(
-            sum(s["draft_ms"] for s in steady),
-            steady_drafted - sum(s.get("drafted_ahead", 0) for s in steady),
-        )
-        out["decodes_per_round"] = sum(s["decodes"] for s in steady) / steady_rounds
-    else:
-        out["decodes_per_round"] = _ratio(sum(r["stats"]["decodes"] for r in runs), rounds)
-    if kind in BUILTIN_KINDS:  # llama.cpp's own drafter timer, where its log had one
-        timed = [r["stats"] for r in runs if "draft_timer_ms" in r["stats"]]
-        out["draft_ms_per_token"] = _ratio(
-            sum(t["draft_timer_ms"] for t in timed), sum(t["draft_timer_tokens"] for t in timed)
-        )
-    a = out.get("acceptance_iid")
-    if kind in ("proxy", "oracle") and a is not None and steady_rounds:
-        # the draft length the rounds really had: adaptive k drafts fewer than k
-        k_drafted = min(float(k), steady_drafted / steady_rounds)
-        prediction = predict(
-            a, k_drafted, out["draft_ms_per_token"] or 0.0, out["verify_ms_per_round"],
-            out["overhead_ms_per_round"],
-        )  # fmt: skip
-        out["predicted"] = prediction.to_dict()
-        # pooled over the same runs the prediction's inputs come from
-        measured = out["tokens_per_s_pooled"]
+        "draft_ms_per_fresh_token": _ratio(
+            steady["draft_ms"], steady["drafted"] - steady["drafted_ahead"]
+        ),
+        "decodes_per_round": steady["decodes"] / n,
+    }
+
+
+def _prediction(out: dict[str, Any], a: float, k: int, steady: dict[str, float]) -> dict[str, Any]:
+    """The cost model's prediction from the row's own measurements, and how the
+    measured speed compares."""
+    # the draft length the rounds really had: adaptive k drafts fewer than k
+    k_drafted = min(float(k), steady["drafted"] / steady["rounds"])
+    prediction = predict(
+        a, k_drafted, out["draft_ms_per_token"] or 0.0, out["verify_ms_per_round"],
+        out["overhead_ms_per_round"],
+    )  # fmt: skip
+    # pooled over the same runs the prediction's inputs come from
+    measured = out["tokens_per_s_pooled"]
+    return {
+        "predicted": prediction.to_dict(),
         # the model describes speculative rounds only: with plain runs in the output
         # the measured speed is a mixture, so no ratio
-        out["measured_over_predicted"] = (
-            None
-            if out["plain_run_share"]
-            else _ratio(measured or 0.0, prediction.tokens_per_s_turns)
-        )
-    out["memory"] = _peak_memory(memory)
-    return out
+        "measured_over_predicted": None
+        if out["plain_run_share"]
+        else _ratio(measured or 0.0, prediction.tokens_per_s_turns),
+    }
 
 
 def _peak_memory(samples: list[dict[str, Any]]) -> dict[str, float]:

@@ -126,7 +126,8 @@ def test_reasoning_format_defaults_to_the_servers_split():
 
 
 def test_running_timings_and_progress_have_the_servers_keys():
-    from proxy.api.shapes import ResponseContext, progress_chunk, prompt_progress, running_timings
+    from proxy.api.formats import ChatCompletion, NativeCompletion
+    from proxy.api.shapes import ResponseContext, prompt_progress, running_timings
 
     timings = running_timings(n_prompt=10, n_decoded=3, prompt_ms=20.0, predicted_ms=8.0)
     assert list(timings) == [
@@ -137,9 +138,9 @@ def test_running_timings_and_progress_have_the_servers_keys():
     ctx = ResponseContext("m", "b1", 10, "p", {})
     progress = prompt_progress(10, 10, 20.4)
     assert progress == {"total": 10, "cache": 0, "processed": 10, "time_ms": 20}
-    chat = progress_chunk(ctx, "chat", progress)
+    chat = ChatCompletion(ctx).progress_chunk(progress)
     assert chat["choices"][0]["delta"] == {"role": "assistant", "content": None}
-    assert progress_chunk(ctx, "native", progress)["tokens"] == [0]
+    assert NativeCompletion(ctx).progress_chunk(progress)["tokens"] == [0]
 
 
 def test_reasoning_format_none_keeps_the_text_as_generated():
