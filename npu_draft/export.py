@@ -34,7 +34,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from npu_draft.drafter_folder import FORMATS, ExportError, finish_drafter_folder
-from npu_draft.onnx_runner import DEFAULT_MAX_CONTEXT
+from npu_draft.ort_backend import DEFAULT_MAX_CONTEXT
 
 log = logging.getLogger(__name__)
 

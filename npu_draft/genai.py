@@ -20,22 +20,26 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from npu_draft import providers
-from npu_draft.onnx_runner import DEFAULT_MAX_CONTEXT, folder_max_context
+from npu_draft.ort_backend import (
+    DEFAULT_MAX_CONTEXT,
+    OrtDraftModel,
+    OrtDraftSession,
+    session_context,
+)
 from npu_draft.protocol import (
     GREEDY,
     CancelToken,
     Draft,
-    DrafterInfo,
     SamplingParams,
     SyncStats,
     common_prefix_length,
 )
 from npu_draft.sampling import draft_next
-from npu_draft.tokenizer_check import drafter_facts
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,9 @@ def configured_provider(folder: Path) -> str:
     return "cpu"
 
 
-class GenaiDraftModel:
+class GenaiDraftModel(OrtDraftModel):
+    backend = "genai"
+
     def __init__(
         self,
         folder: str | Path,
@@ -84,29 +90,15 @@ class GenaiDraftModel:
         self.threads = threads or providers.default_threads()
         self.model = og.Model(self._config(self.choice))
         declared = config_json.get("context_length", DEFAULT_MAX_CONTEXT)
-        self.max_context = min(max_context or folder_max_context(self.folder, declared), declared)
+        self.max_context = session_context(self.folder, max_context, declared)
         eos = config_json.get("eos_token_id", [])
-        facts = drafter_facts(self.folder)
-        self.info = DrafterInfo(
-            name=facts.name if facts is not None else self.folder.name,
-            backend="genai",
-            provider=self.choice.name,
+        self._describe_and_check(
             vocab_size=config_json["vocab_size"],
-            max_context=self.max_context,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]),
             bos_token_id=config_json.get("bos_token_id"),
-            tokenizer_fingerprint=None if facts is None else facts.fingerprint,
+            cross_check=cross_check,
+            runs_on=self.choice.name,
         )
-        log.info(
-            "draft model %s: backend genai on %s, context %d",
-            self.info.name,
-            self.choice.name,
-            self.max_context,
-        )
-        if cross_check if cross_check is not None else self.choice.name != "cpu":
-            providers.cross_check_against_cpu(
-                self.choice, self.info.name, self.probe_logits(), self._cpu_probe_logits
-            )
 
     def _resolve_provider(self, requested: str, vitisai: dict) -> providers.ProviderChoice:
         """With "auto", keep what genai_config.json asks for when this machine has it."""
@@ -139,34 +131,18 @@ class GenaiDraftModel:
     def open_session(self) -> GenaiDraftSession:
         return GenaiDraftSession(self)
 
-    def probe_logits(self) -> np.ndarray:
-        session = self.open_session()
-        try:
-            session.sync(providers.probe_tokens(self.info.vocab_size or 1))
-            return session.next_logits()
-        finally:
-            session.close()
-
-    def _cpu_probe_logits(self) -> np.ndarray:
-        reference = GenaiDraftModel(
-            self.folder, "cpu", max_context=64, threads=self.threads, cross_check=False
-        )
-        try:
-            return reference.probe_logits()
-        finally:
-            reference.close()
+    def _cpu_reference_options(self) -> dict[str, Any]:
+        return {"threads": self.threads}
 
     def close(self) -> None:
         self.model = None
 
 
-class GenaiDraftSession:
+class GenaiDraftSession(OrtDraftSession):
     def __init__(self, model: GenaiDraftModel) -> None:
+        super().__init__()
         self._model = model
         self._generator = self._new_generator()
-        self._cached: list[int] = []  # tokens appended to the generator
-        self._pending: list[int] = []  # drafted, not yet appended
-        self._logits: np.ndarray | None = None  # after _cached[-1]
 
     def _new_generator(self):
         og = self._model._og
@@ -174,17 +150,8 @@ class GenaiDraftSession:
         params.set_search_options(max_length=self._model.max_context, do_sample=False)
         return og.Generator(self._model.model, params)
 
-    @property
-    def tokens(self) -> Sequence[int]:
-        return self._cached + self._pending
-
     def sync(self, tokens: Sequence[int]) -> SyncStats:
-        tokens = list(tokens)
-        if len(tokens) > self._model.max_context:
-            raise ValueError(
-                f"sequence of {len(tokens)} tokens exceeds the drafter's context of "
-                f"{self._model.max_context}"
-            )
+        tokens = self._fitting(tokens, self._model.max_context)
         self._pending = []
         common = common_prefix_length(self._cached, tokens)
         if common == len(tokens) == len(self._cached):
@@ -197,11 +164,7 @@ class GenaiDraftSession:
         else:  # the safe re-sync: rewind one further and re-feed the last common token
             keep = common - 1
             self._generator.rewind_to(keep)
-        self._cached = tokens[:keep]
-        self._logits = None
-        if len(tokens) > keep:
-            self._append(tokens[keep:])
-        return SyncStats(reused=keep, appended=len(tokens) - keep)
+        return self._keep_and_feed(tokens, keep)
 
     def propose(
         self,
@@ -219,15 +182,7 @@ class GenaiDraftSession:
             self._pending.append(token)
         return draft
 
-    def next_logits(self) -> np.ndarray:
-        if self._pending:
-            self._append(self._pending)
-            self._pending = []
-        if self._logits is None:
-            raise RuntimeError("no tokens synced yet: call sync() with a non-empty prefix first")
-        return self._logits
-
-    def _append(self, new_tokens: Sequence[int]) -> None:
+    def _feed(self, new_tokens: Sequence[int]) -> None:
         self._generator.append_tokens(np.asarray(new_tokens, dtype=np.int32))
         self._cached.extend(new_tokens)
         self._logits = self._read_logits()

@@ -63,41 +63,59 @@ def load_drafter(
             text[: -len("+ngram")], provider, backend=backend, target=target, **opts
         )
         return CombinedDraftModel(inner, ngram_sizes, min_ngram_tokens)
+    return _load_folder(text, provider, backend, target, opts)
 
+
+def _load_folder(
+    text: str, provider: str, backend: str, target: TokenizerFacts | None, opts: dict[str, Any]
+) -> DraftModel:
+    """A drafter folder: the oracle stand-in, or a model for the genai or onnx backend."""
     folder = Path(text)
     if not folder.is_dir():
         raise FileNotFoundError(f"drafter {text!r} is neither a folder nor 'ngram[:sizes]'")
-    from npu_draft.oracle import OracleDraftModel, is_oracle_folder
+    from npu_draft.oracle import is_oracle_folder
 
     if is_oracle_folder(folder):
-        oracle = OracleDraftModel.from_folder(folder)
-        if target is not None:  # it records no tokenizer, only the vocabulary size
-            check_tokenizer_match(TokenizerFacts(oracle.info.name, oracle.info.vocab_size), target)
-        return oracle
+        return _load_oracle(folder, target)
     if target is not None:
-        expected = drafter_facts(folder)
-        if expected is None:
-            raise ValueError(
-                f"{folder} does not record which tokenizer it expects (no npu_draft.json or "
-                f"config.json); re-export it with `npu-spec export-drafter`"
-            )
-        check_tokenizer_match(expected, target)
-
-    chosen = backend
-    if chosen == "auto":
-        if (folder / "genai_config.json").is_file():
-            chosen = "genai"
-        elif any(folder.glob("*.onnx")):
-            chosen = "onnx"
-        else:
-            raise FileNotFoundError(
-                f"{folder} holds neither genai_config.json nor an .onnx model; "
-                f"export one with `npu-spec export-drafter HF_DIR {folder}`"
-            )
-    if chosen == "genai":
+        _require_matching_tokenizer(folder, target)
+    if _folder_backend(folder, backend) == "genai":
         from npu_draft.genai import GenaiDraftModel
 
         return GenaiDraftModel(folder, provider, **opts)
     from npu_draft.onnx_runner import OnnxDraftModel
 
     return OnnxDraftModel(folder, provider, **opts)
+
+
+def _load_oracle(folder: Path, target: TokenizerFacts | None) -> DraftModel:
+    from npu_draft.oracle import OracleDraftModel
+
+    oracle = OracleDraftModel.from_folder(folder)
+    if target is not None:  # it records no tokenizer, only the vocabulary size
+        check_tokenizer_match(TokenizerFacts(oracle.info.name, oracle.info.vocab_size), target)
+    return oracle
+
+
+def _require_matching_tokenizer(folder: Path, target: TokenizerFacts) -> None:
+    expected = drafter_facts(folder)
+    if expected is None:
+        raise ValueError(
+            f"{folder} does not record which tokenizer it expects (no npu_draft.json or "
+            f"config.json); re-export it with `npu-spec export-drafter`"
+        )
+    check_tokenizer_match(expected, target)
+
+
+def _folder_backend(folder: Path, backend: str) -> str:
+    """`backend`, or with "auto" the one the folder's files call for."""
+    if backend != "auto":
+        return backend
+    if (folder / "genai_config.json").is_file():
+        return "genai"
+    if any(folder.glob("*.onnx")):
+        return "onnx"
+    raise FileNotFoundError(
+        f"{folder} holds neither genai_config.json nor an .onnx model; "
+        f"export one with `npu-spec export-drafter HF_DIR {folder}`"
+    )

@@ -15,30 +15,32 @@ writes) have this shape; a graph whose attention concatenates past and present
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from npu_draft import providers
+from npu_draft.ort_backend import (
+    DEFAULT_MAX_CONTEXT,
+    OrtDraftModel,
+    OrtDraftSession,
+    session_context,
+)
 from npu_draft.protocol import (
     GREEDY,
     CancelToken,
     Draft,
-    DrafterInfo,
     SamplingParams,
     SyncStats,
     common_prefix_length,
 )
 from npu_draft.sampling import draft_next
-from npu_draft.tokenizer_check import DrafterManifest, drafter_facts
+from npu_draft.tokenizer_check import DrafterManifest
 
-log = logging.getLogger(__name__)
-
-DEFAULT_MAX_CONTEXT = 4096  # Ryzen AI NPU models stop at 4k; the buffer is sized for it
 # Prefill runs in chunks. A graph that emits logits for every input position would
 # otherwise make a 2.5 GB tensor at 4k positions x 152k vocabulary; one trimmed to
 # the last position (what export-drafter writes) only bounds attention scratch.
@@ -107,21 +109,10 @@ class DecoderSpec:
         return data
 
 
-def folder_max_context(folder: Path, declared: int) -> int:
-    """Longest sequence to size a drafter's KV buffers for, when the caller gives none.
-
-    A folder written by `npu-spec export-drafter` was sized at export (`--max-context`,
-    recorded in npu_draft.json); any other folder is capped at 4,096 tokens, the Ryzen
-    AI NPU limit, because the buffers are allocated for the whole length up front.
-    """
-    manifest = DrafterManifest.read(folder)
-    if manifest is not None and manifest.decoder.get("context_length"):
-        return int(manifest.decoder["context_length"])
-    return min(declared, DEFAULT_MAX_CONTEXT)
-
-
-class OnnxDraftModel:
+class OnnxDraftModel(OrtDraftModel):
     """A loaded ONNX decoder; `open_session()` gives each conversation its own cache."""
+
+    backend = "onnx"
 
     def __init__(
         self,
@@ -139,8 +130,7 @@ class OnnxDraftModel:
         self.folder = Path(folder)
         self.spec = DecoderSpec.from_folder(self.folder)
         _require_shared_buffer_attention(self.folder / self.spec.filename, self.spec)
-        declared = self.spec.context_length
-        self.max_context = min(max_context or folder_max_context(self.folder, declared), declared)
+        self.max_context = session_context(self.folder, max_context, self.spec.context_length)
         self.choice = providers.choose_provider(
             provider, config_file=config_file, cache_dir=cache_dir, cache_key=cache_key
         )
@@ -160,58 +150,29 @@ class OnnxDraftModel:
         self.prefill_chunk = prefill_chunk or (
             PREFILL_CHUNK_LAST_POSITION if last_position_only else PREFILL_CHUNK
         )
-        facts = drafter_facts(self.folder)
-        self.info = DrafterInfo(
-            name=facts.name if facts is not None else self.folder.name,
-            backend="onnx",
-            provider=self.choice.name,
+        self._describe_and_check(
             vocab_size=self.spec.vocab_size,
-            max_context=self.max_context,
             eos_token_ids=self.spec.eos_token_ids,
             bos_token_id=self.spec.bos_token_id,
-            tokenizer_fingerprint=None if facts is None else facts.fingerprint,
+            cross_check=cross_check,
+            runs_on=f"{self.choice.name} ({self.choice.ort_name})",
         )
-        log.info(
-            "draft model %s: backend onnx on %s (%s), context %d",
-            self.info.name,
-            self.choice.name,
-            self.choice.ort_name,
-            self.max_context,
-        )
-        if cross_check if cross_check is not None else self.choice.name != "cpu":
-            providers.cross_check_against_cpu(
-                self.choice, self.info.name, self.probe_logits(), self._cpu_probe_logits
-            )
 
     def open_session(self) -> OnnxDraftSession:
         return OnnxDraftSession(self)
 
-    def probe_logits(self) -> np.ndarray:
-        """Logits after a fixed probe sequence, for the start-up provider check."""
-        session = self.open_session()
-        try:
-            session.sync(providers.probe_tokens(self.spec.vocab_size))
-            return session.next_logits()
-        finally:
-            session.close()
-
-    def _cpu_probe_logits(self) -> np.ndarray:
-        reference = OnnxDraftModel(
-            self.folder, "cpu", max_context=64, cross_check=False, prefill_chunk=self.prefill_chunk
-        )
-        try:
-            return reference.probe_logits()
-        finally:
-            reference.close()
+    def _cpu_reference_options(self) -> dict[str, Any]:
+        return {"prefill_chunk": self.prefill_chunk}
 
     def close(self) -> None:
         self.session = None  # type: ignore[assignment]
 
 
-class OnnxDraftSession:
+class OnnxDraftSession(OrtDraftSession):
     """One token sequence's KV cache in shared past/present buffers."""
 
     def __init__(self, model: OnnxDraftModel) -> None:
+        super().__init__()
         self._model = model
         spec = model.spec
         shape = (1, spec.num_kv_heads, model.max_context, spec.head_dim)
@@ -238,21 +199,9 @@ class OnnxDraftSession:
                 self._binding.bind_ortvalue_output(name_out % layer, value)
         self._mask = np.ones((1, model.max_context), dtype=np.int64)
         self._has_position_ids = "position_ids" in model._inputs
-        self._cached: list[int] = []  # tokens whose keys/values are in the buffers
-        self._pending: list[int] = []  # drafted after _cached, not yet run
-        self._logits: np.ndarray | None = None  # after _cached[-1]
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        return self._cached + self._pending
 
     def sync(self, tokens: Sequence[int]) -> SyncStats:
-        tokens = list(tokens)
-        if len(tokens) > self._model.max_context:
-            raise ValueError(
-                f"sequence of {len(tokens)} tokens exceeds the drafter's context of "
-                f"{self._model.max_context}"
-            )
+        tokens = self._fitting(tokens, self._model.max_context)
         keep = common_prefix_length(self._cached, tokens)
         if keep == len(tokens) and keep < len(self._cached):
             keep -= 1  # pure rollback: re-run the last token to get its logits back
@@ -260,11 +209,7 @@ class OnnxDraftSession:
         if keep == len(tokens) == len(self._cached):
             return SyncStats(reused=keep, appended=0)
         keep = max(keep, 0)
-        self._cached = tokens[:keep]
-        self._logits = None
-        if len(tokens) > keep:
-            self._run(tokens[keep:])
-        return SyncStats(reused=keep, appended=len(tokens) - keep)
+        return self._keep_and_feed(tokens, keep)
 
     def propose(
         self,
@@ -274,7 +219,7 @@ class OnnxDraftSession:
         cancel: CancelToken | None = None,
     ) -> Draft:
         if self._pending:  # drafting again without a sync: continue after the last draft
-            self._run(self._pending)
+            self._feed(self._pending)
             self._pending = []
         draft = Draft(dists=None if sampling.greedy else [])
         room = self._model.max_context - len(self._cached)
@@ -282,21 +227,13 @@ class OnnxDraftSession:
             if cancel is not None and cancel.cancelled:
                 break
             if i > 0:  # the previous draft token enters the cache only when needed
-                self._run(self._pending)
+                self._feed(self._pending)
                 self._pending = []
             token = draft_next(draft, self.next_logits(), sampling, rng)
             self._pending = [token]
         return draft
 
-    def next_logits(self) -> np.ndarray:
-        if self._pending:
-            self._run(self._pending)
-            self._pending = []
-        if self._logits is None:
-            raise RuntimeError("no tokens synced yet: call sync() with a non-empty prefix first")
-        return self._logits
-
-    def _run(self, new_tokens: Sequence[int]) -> None:
+    def _feed(self, new_tokens: Sequence[int]) -> None:
         chunk = self._model.prefill_chunk
         for start in range(0, len(new_tokens), chunk):
             piece = list(new_tokens[start : start + chunk])

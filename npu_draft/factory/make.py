@@ -178,6 +178,29 @@ def _write_target(
     write_gguf(path, big, _tensors(core, big, weight_type, seed), weight_type, name=name, **common)
 
 
+def _write_unpadded(path: Path, weights: Weights, padded: bool, name: str, common: dict) -> None:
+    """The unpadded core of a padded model as float32 GGUF; no file when nothing is padded."""
+    if padded:
+        write_gguf(path, CORE, plain_tensors(weights, np.float32), np.float32,
+                   name=name, **common)  # fmt: skip
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _gguf_common(vocab_gguf: Path, chat_template: str, tokenizer_dir: Path) -> dict:
+    """The tokenizer and chat template every GGUF of the set carries."""
+    fields = read_tokenizer_fields(
+        vocab_gguf, cache_file=tokenizer_dir / "gguf-tokenizer-fields.json"
+    )
+    return {"tokenizer_fields": fields, "chat_template": chat_template}
+
+
+def _target_shape(name: str) -> ModelShape:
+    if name not in TARGET_SHAPES:
+        raise ValueError(f"unknown target shape {name!r}; one of {sorted(TARGET_SHAPES)}")
+    return TARGET_SHAPES[name]
+
+
 def write_target(
     path: str | Path,
     seed: int = 0,
@@ -190,17 +213,79 @@ def write_target(
     For comparing target weight types without the rest of the set (HF folders, drafter).
     """
     path = Path(path)
-    if target_shape not in TARGET_SHAPES:
-        raise ValueError(f"unknown target shape {target_shape!r}; one of {sorted(TARGET_SHAPES)}")
-    weight_type = _weight_type(target_dtype, TARGET_SHAPES[target_shape])
+    weight_type = _weight_type(target_dtype, _target_shape(target_shape))
     vocab_gguf, chat_template = _pinned_sources()
     tokenizer_dir = _tokenizer_dir(vocab_gguf, chat_template)
-    fields = read_tokenizer_fields(
-        vocab_gguf, cache_file=tokenizer_dir / "gguf-tokenizer-fields.json"
-    )
-    common = {"tokenizer_fields": fields, "chat_template": chat_template}
+    common = _gguf_common(vocab_gguf, chat_template, tokenizer_dir)
     _write_target(path, _core_weights(seed, eos_boost), target_shape, weight_type, seed, common)
     return path
+
+
+@dataclass(frozen=True)
+class ModelSetPlan:
+    """The shapes and weight types of one model set, resolved from make_models' arguments."""
+
+    seed: int
+    spec: DraftSpec
+    target_shape: str
+    big: ModelShape
+    weight_type: str
+    draft_shape: str
+    draft_big: ModelShape
+    draft_type: str
+    eos_boost: float
+
+    @classmethod
+    def resolve(
+        cls,
+        seed: int,
+        draft: str | DraftSpec,
+        target_shape: str,
+        target_dtype: str | None,
+        eos_boost: float,
+        draft_shape: str | None,
+        draft_dtype: str | None,
+    ) -> ModelSetPlan:
+        spec = draft if isinstance(draft, DraftSpec) else DraftSpec.parse(draft)
+        big = _target_shape(target_shape)
+        weight_type = _weight_type(target_dtype, big)
+        draft_shape = draft_shape or default_draft_shape(target_shape)
+        if draft_shape not in DRAFT_SHAPES:
+            raise ValueError(f"unknown draft shape {draft_shape!r}; one of {sorted(DRAFT_SHAPES)}")
+        return cls(
+            seed=seed,
+            spec=spec,
+            target_shape=target_shape,
+            big=big,
+            weight_type=weight_type,
+            draft_shape=draft_shape,
+            draft_big=DRAFT_SHAPES[draft_shape],
+            draft_type=_draft_weight_type(draft_dtype, draft_shape),
+            eos_boost=eos_boost,
+        )
+
+    @property
+    def draft_name(self) -> str:
+        padded = "" if self.draft_big == CORE else f"-{self.draft_shape}"
+        return f"npu-spec-draft-{self.spec}{padded}"
+
+    def manifest(self) -> dict:
+        drafted_from_core = self.weight_type not in ("q8_0", "q4_0")
+        return {
+            "seed": self.seed,
+            "draft": str(self.spec),
+            "target_shape": self.target_shape,
+            "target_dims": asdict(self.big),
+            "core_dims": asdict(CORE),
+            "target_dtype": self.weight_type,
+            "draft_shape": self.draft_shape,
+            "draft_dims": asdict(self.draft_big),
+            "draft_dtype": self.draft_type,
+            "draft_base": (
+                "core" if drafted_from_core else f"core as {self.weight_type} (dequantized)"
+            ),
+            "eos_boost": self.eos_boost,
+        }
 
 
 def make_models(
@@ -234,69 +319,48 @@ def make_models(
     12-30 tokens); the random model otherwise practically never emits it.
     """
     out = Path(out)
-    spec = draft if isinstance(draft, DraftSpec) else DraftSpec.parse(draft)
-    if target_shape not in TARGET_SHAPES:
-        raise ValueError(f"unknown target shape {target_shape!r}; one of {sorted(TARGET_SHAPES)}")
-    big = TARGET_SHAPES[target_shape]
-    weight_type = _weight_type(target_dtype, big)
-    draft_shape = draft_shape or default_draft_shape(target_shape)
-    if draft_shape not in DRAFT_SHAPES:
-        raise ValueError(f"unknown draft shape {draft_shape!r}; one of {sorted(DRAFT_SHAPES)}")
-    draft_big = DRAFT_SHAPES[draft_shape]
-    draft_type = _draft_weight_type(draft_dtype, draft_shape)
-
+    plan = ModelSetPlan.resolve(
+        seed, draft, target_shape, target_dtype, eos_boost, draft_shape, draft_dtype
+    )
     vocab_gguf, chat_template = _pinned_sources()
     tokenizer_dir = _tokenizer_dir(vocab_gguf, chat_template)
     out.mkdir(parents=True, exist_ok=True)
 
     core = _core_weights(seed, eos_boost)
-    drafted = draft_weights(stored_function_weights(core, weight_type), spec, seed)
-    drafted_from_core = weight_type not in ("q8_0", "q4_0")
+    drafted = draft_weights(stored_function_weights(core, plan.weight_type), plan.spec, seed)
     # What draft.gguf computes: draft-hf/, draft-core.gguf and draft/ hold exactly that.
-    draft_function = stored_function_weights(drafted, draft_type)
+    draft_function = stored_function_weights(drafted, plan.draft_type)
     log.info(
         "writing %s (target %s, draft %s shaped %s, seed %d)",
-        out, target_shape, spec, draft_shape, seed,
+        out, target_shape, plan.spec, plan.draft_shape, seed,
     )  # fmt: skip
     write_hf_folder(out / "target-hf", CORE, core, tokenizer_dir, f"npu-spec-core-s{seed}")
-    write_hf_folder(
-        out / "draft-hf", CORE, draft_function, tokenizer_dir, f"npu-spec-draft-{spec}-s{seed}"
-    )
-    fields = read_tokenizer_fields(
-        vocab_gguf, cache_file=tokenizer_dir / "gguf-tokenizer-fields.json"
-    )
-    common = {"tokenizer_fields": fields, "chat_template": chat_template}
-    _write_target(out / "target.gguf", core, target_shape, weight_type, seed, common)
-    if big != CORE:
-        write_gguf(out / "core.gguf", CORE, plain_tensors(core, np.float32), np.float32,
-                   name="npu-spec-core", **common)  # fmt: skip
-    else:
-        (out / "core.gguf").unlink(missing_ok=True)
-    draft_name = f"npu-spec-draft-{spec}" + ("" if draft_big == CORE else f"-{draft_shape}")
-    write_gguf(out / "draft.gguf", draft_big, _tensors(drafted, draft_big, draft_type, seed),
-               draft_type, name=draft_name, **common)  # fmt: skip
-    if draft_big != CORE:
-        write_gguf(out / "draft-core.gguf", CORE, plain_tensors(draft_function, np.float32),
-                   np.float32, name=f"npu-spec-draft-{spec}", **common)  # fmt: skip
-    else:
-        (out / "draft-core.gguf").unlink(missing_ok=True)
+    draft_hf_name = f"npu-spec-draft-{plan.spec}-s{seed}"
+    write_hf_folder(out / "draft-hf", CORE, draft_function, tokenizer_dir, draft_hf_name)
+    common = _gguf_common(vocab_gguf, chat_template, tokenizer_dir)
+    _write_ggufs(out, plan, core, drafted, draft_function, common)
     if with_drafter:
-        _export_draft(out, draft_function, draft_big, draft_name, tokenizer_dir, seed)
-    manifest = {
-        "seed": seed,
-        "draft": str(spec),
-        "target_shape": target_shape,
-        "target_dims": asdict(big),
-        "core_dims": asdict(CORE),
-        "target_dtype": weight_type,
-        "draft_shape": draft_shape,
-        "draft_dims": asdict(draft_big),
-        "draft_dtype": draft_type,
-        "draft_base": "core" if drafted_from_core else f"core as {weight_type} (dequantized)",
-        "eos_boost": eos_boost,
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        _export_draft(out, draft_function, plan.draft_big, plan.draft_name, tokenizer_dir, seed)
+    (out / "manifest.json").write_text(json.dumps(plan.manifest(), indent=2) + "\n")
     return out
+
+
+def _write_ggufs(
+    out: Path,
+    plan: ModelSetPlan,
+    core: Weights,
+    drafted: Weights,
+    draft_function: Weights,
+    common: dict,
+) -> None:
+    """target.gguf, draft.gguf and, where they are padded, their unpadded cores."""
+    _write_target(out / "target.gguf", core, plan.target_shape, plan.weight_type, plan.seed, common)
+    _write_unpadded(out / "core.gguf", core, plan.big != CORE, "npu-spec-core", common)
+    draft_tensors = _tensors(drafted, plan.draft_big, plan.draft_type, plan.seed)
+    write_gguf(out / "draft.gguf", plan.draft_big, draft_tensors, plan.draft_type,
+               name=plan.draft_name, **common)  # fmt: skip
+    _write_unpadded(out / "draft-core.gguf", draft_function, plan.draft_big != CORE,
+                    f"npu-spec-draft-{plan.spec}", common)  # fmt: skip
 
 
 def _export_draft(

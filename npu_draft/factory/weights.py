@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -180,74 +181,92 @@ def padded_tensors(
     billion.
     """
     _check_paddable(core, big)
-    scale = math.sqrt(core.hidden / big.hidden)
-    q_rows = _query_head_rows(core, big)
-    h, f = core.hidden, core.ffn
-    kv = core.kv_heads * core.head_dim
-    rng = np.random.default_rng(seed)
-    filler_cache: dict[tuple[int, ...], np.ndarray] = {}
-    filler_blocks_cache: dict[tuple[tuple[int, ...], str], np.ndarray] = {}
+    padding = _CorePadding(core_weights, core, big, seed, dtype)
+    for name, dims in tensor_shapes(big).items():
+        is_extra_layer = name.startswith("model.layers.") and int(name.split(".")[2]) >= core.layers
+        yield padding.extra(name, dims) if is_extra_layer else padding.padded(name, dims)
 
-    def filler(dims: tuple[int, ...], std: float) -> np.ndarray:
+
+class _CorePadding:
+    """The tensors of `padded_tensors`: the core's zero-padded, extra layers' filler."""
+
+    def __init__(
+        self, core_weights: Weights, core: ModelShape, big: ModelShape, seed: int, dtype: np.dtype
+    ) -> None:
+        self.core_weights = core_weights
+        self.dtype = dtype
+        self.scale = math.sqrt(core.hidden / big.hidden)
+        self.q_rows = _query_head_rows(core, big)
+        self.h, self.f = core.hidden, core.ffn
+        self.kv = core.kv_heads * core.head_dim
+        self.rng = np.random.default_rng(seed)
+        self.filler_cache: dict[tuple[int, ...], np.ndarray] = {}
+        self.filler_blocks_cache: dict[tuple[tuple[int, ...], str], np.ndarray] = {}
+
+    def filler(self, dims: tuple[int, ...], std: float) -> np.ndarray:
         # One random block per shape, reused by every extra layer: same cost, fast.
-        if dims not in filler_cache:
-            filler_cache[dims] = (std * rng.standard_normal(dims, dtype=np.float32)).astype(dtype)
-        return filler_cache[dims]
+        if dims not in self.filler_cache:
+            random = self.rng.standard_normal(dims, dtype=np.float32)
+            self.filler_cache[dims] = (std * random).astype(self.dtype)
+        return self.filler_cache[dims]
 
-    def filler_blocks(dims: tuple[int, ...], std: float, kind: str) -> np.ndarray:
-        if (dims, kind) not in filler_blocks_cache:
-            filler_blocks_cache[dims, kind] = quantize(filler(dims, std), kind)
-        return filler_blocks_cache[dims, kind]
+    def filler_blocks(self, dims: tuple[int, ...], std: float, kind: str) -> np.ndarray:
+        if (dims, kind) not in self.filler_blocks_cache:
+            self.filler_blocks_cache[dims, kind] = quantize(self.filler(dims, std), kind)
+        return self.filler_blocks_cache[dims, kind]
 
-    def placement(name: str) -> tuple[slice | np.ndarray, slice | np.ndarray]:
+    def placement(self, name: str) -> tuple[slice | np.ndarray, slice | np.ndarray]:
         """Where a 2-D core tensor sits in its zero-padded big tensor: out[rows, cols]."""
+        h, f, kv = self.h, self.f, self.kv
         if name.endswith("q_proj.weight"):
-            return q_rows, slice(0, h)
+            return self.q_rows, slice(0, h)
         if name.endswith(("k_proj.weight", "v_proj.weight")):
             return slice(0, kv), slice(0, h)
         if name.endswith("o_proj.weight"):
-            return slice(0, h), q_rows
+            return slice(0, h), self.q_rows
         if name.endswith(("gate_proj.weight", "up_proj.weight")):
             return slice(0, f), slice(0, h)
         if name.endswith("down_proj.weight"):
             return slice(0, h), slice(0, f)
         return slice(None), slice(0, h)  # embeddings and output head: [vocab, hidden]
 
-    def padded(name: str, dims: tuple[int, ...]) -> TensorSpec:
-        core_t = core_weights[name]
-
-        def make() -> np.ndarray:
-            out = np.zeros(dims, dtype=dtype)
-            if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) or (
-                name == "model.norm.weight"
-            ):
-                out[:h] = core_t * scale
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
-                out[:] = core_t
-            else:
-                out[placement(name)] = core_t
-            return out
-
+    def padded(self, name: str, dims: tuple[int, ...]) -> TensorSpec:
+        core_t = self.core_weights[name]
+        make = partial(self.padded_array, name, dims, core_t)
         if len(dims) != 2:
             return TensorSpec(name, dims, make)
+        return TensorSpec(name, dims, make, partial(self.padded_blocks, name, dims, core_t))
 
-        def make_quantized(kind: str) -> np.ndarray:
-            rows, cols = placement(name)
-            blocks = _block_columns(cols, dims[1])
-            if blocks is None:
-                return quantize(make(), kind)
-            block_bytes = BLOCK_TYPES[kind].block_bytes
-            out = BLOCK_TYPES[kind].zeros(dims).reshape(dims[0], dims[1] // QK, block_bytes)
-            quantized = quantize(core_t.astype(dtype), kind)
-            both_arrays = not isinstance(rows, slice) and not isinstance(blocks, slice)
-            index = np.ix_(rows, blocks) if both_arrays else (rows, blocks)
-            out[index] = quantized.reshape(core_t.shape[0], -1, block_bytes)
-            return out.reshape(BLOCK_TYPES[kind].byte_shape(dims))
+    def padded_array(self, name: str, dims: tuple[int, ...], core_t: np.ndarray) -> np.ndarray:
+        out = np.zeros(dims, dtype=self.dtype)
+        if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) or (
+            name == "model.norm.weight"
+        ):
+            out[: self.h] = core_t * self.scale
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            out[:] = core_t
+        else:
+            out[self.placement(name)] = core_t
+        return out
 
-        return TensorSpec(name, dims, make, make_quantized)
+    def padded_blocks(
+        self, name: str, dims: tuple[int, ...], core_t: np.ndarray, kind: str
+    ) -> np.ndarray:
+        rows, cols = self.placement(name)
+        blocks = _block_columns(cols, dims[1])
+        if blocks is None:
+            return quantize(self.padded_array(name, dims, core_t), kind)
+        block_bytes = BLOCK_TYPES[kind].block_bytes
+        out = BLOCK_TYPES[kind].zeros(dims).reshape(dims[0], dims[1] // QK, block_bytes)
+        quantized = quantize(core_t.astype(self.dtype), kind)
+        both_arrays = not isinstance(rows, slice) and not isinstance(blocks, slice)
+        index = np.ix_(rows, blocks) if both_arrays else (rows, blocks)
+        out[index] = quantized.reshape(core_t.shape[0], -1, block_bytes)
+        return out.reshape(BLOCK_TYPES[kind].byte_shape(dims))
 
-    def extra(name: str, dims: tuple[int, ...]) -> TensorSpec:
+    def extra(self, name: str, dims: tuple[int, ...]) -> TensorSpec:
         std = _init_std(name)
+        dtype = self.dtype
         if std is None:  # a norm
             return TensorSpec(name, dims, lambda: np.ones(dims, dtype=dtype))
         if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -258,12 +277,11 @@ def padded_tensors(
                 lambda kind: BLOCK_TYPES[kind].zeros(dims),
             )
         return TensorSpec(
-            name, dims, lambda: filler(dims, std), lambda kind: filler_blocks(dims, std, kind)
+            name,
+            dims,
+            lambda: self.filler(dims, std),
+            lambda kind: self.filler_blocks(dims, std, kind),
         )
-
-    for name, dims in tensor_shapes(big).items():
-        is_extra_layer = name.startswith("model.layers.") and int(name.split(".")[2]) >= core.layers
-        yield extra(name, dims) if is_extra_layer else padded(name, dims)
 
 
 def plain_tensors(weights: Weights, dtype: np.dtype) -> Iterator[TensorSpec]:
