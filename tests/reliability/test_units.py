@@ -21,6 +21,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SlotScheduler
 from proxy.serve_cmd import redact_url
 from proxy.upstream import UpstreamClient
+from tests.proxy.helpers import proxy_settings
 from tests.reliability.tools import REPO, sse_events
 
 # -- managed mode: restarting a dead llama-server ------------------------------------------
@@ -178,8 +179,9 @@ async def _half_answer_server(content_type: str) -> tuple[asyncio.Server, str]:
 def _state(url: str) -> ProxyState:
     props = {"default_generation_settings": {"params": {}, "n_ctx": 512}}
     return ProxyState(
-        upstream=UpstreamClient(url), scheduler=SlotScheduler(2, 2), metrics=ProxyMetrics(),
-        props=props, k=1, open_drafter=None, settings_template={},
+        upstream=UpstreamClient(url), settings=proxy_settings(url, k=1),
+        scheduler=SlotScheduler(2, 2), metrics=ProxyMetrics(), props=props,
+        open_drafter=None, settings_template={},
     )  # fmt: skip
 
 
