@@ -24,14 +24,14 @@ from pydantic import ValidationError
 
 from npu_draft.load import parse_ngram_spec
 from proxy.config import ConfigFileError, ProxySettings, load_settings, settings_error_lines
-from proxy.llama_server import (
+from proxy.server.llama_server import (
     LlamaServerNotFound,
     LlamaServerProcess,
     LlamaServerStartError,
     find_llama_server,
 )
-from proxy.managed import ServerLayout, ServerSupervisor, managed_server, write_key_file
-from proxy.upstream import Timeouts, UpstreamClient, UpstreamClientError, UpstreamError
+from proxy.server.managed import ServerLayout, ServerSupervisor, managed_server, write_key_file
+from proxy.server.upstream import Timeouts, UpstreamClient, UpstreamClientError, UpstreamError
 from proxy.user_errors import UserError
 
 log = logging.getLogger(__name__)
@@ -625,7 +625,7 @@ async def _start_managed(settings: ProxySettings, running: _Running) -> tuple[st
 async def _check_attached(settings: ProxySettings, base_url: str, api_key: str | None) -> bool:
     """Log what the attached server's flags allow; True when one-decode verification
     is impossible there."""
-    from proxy.attach_check import check_upstream
+    from proxy.server.attach_check import check_upstream
 
     findings = await check_upstream(base_url, settings.k, settings.conversations, api_key=api_key)
     for finding in findings:

@@ -44,8 +44,8 @@ from proxy.engine import (
 from proxy.metrics import ProxyMetrics
 from proxy.policies import DraftLengthPolicy, OverlapPolicy, PlainRunGate, Policies
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
+from proxy.server.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
 from proxy.server_text import PieceCache, TokenEvent
-from proxy.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count(1)

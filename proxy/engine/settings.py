@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from proxy.policies import OverlapMode
-from proxy.upstream import SamplingSpec
+from proxy.server.upstream import SamplingSpec
 
 if TYPE_CHECKING:
     from proxy.config import ProxySettings

@@ -21,9 +21,9 @@ from aiohttp import web
 
 from proxy.api import ProxyState, build_state, create_app
 from proxy.engine import AsyncDrafter, AsyncSessionDrafter
-from proxy.llama_server import LlamaServerProcess, free_port
-from proxy.managed import ServerLayout, managed_server
-from proxy.upstream import UpstreamClient
+from proxy.server.llama_server import LlamaServerProcess, free_port
+from proxy.server.managed import ServerLayout, managed_server
+from proxy.server.upstream import UpstreamClient
 from tests.proxy.helpers import split_options
 
 CTX = 768  # tokens per slot on both servers (a multiple of 256: llama.cpp pads -c)

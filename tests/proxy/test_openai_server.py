@@ -12,7 +12,7 @@ from proxy.api import ProxyState, create_app
 from proxy.drafting import DrafterBase
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SlotScheduler
-from proxy.upstream import UpstreamClient
+from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import run_proxy
 from tests.proxy.helpers import (
     assert_greedy_equal,

@@ -15,12 +15,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from proxy.api import ProxyState, create_app
 from proxy.drafter_guard import DrafterSupervisor
 from proxy.drafting import DrafterBase
-from proxy.llama_server import free_port
-from proxy.managed import ServerSupervisor
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SlotScheduler
 from proxy.serve_cmd import redact_url
-from proxy.upstream import UpstreamClient
+from proxy.server.llama_server import free_port
+from proxy.server.managed import ServerSupervisor
+from proxy.server.upstream import UpstreamClient
 from tests.proxy.helpers import proxy_settings
 from tests.reliability.tools import REPO, sse_events
 

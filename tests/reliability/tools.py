@@ -19,8 +19,8 @@ from aiohttp import web
 
 from proxy.api import ProxyState, build_state, create_app
 from proxy.drafting import DrafterBase
-from proxy.llama_server import free_port
-from proxy.upstream import Timeouts, UpstreamClient
+from proxy.server.llama_server import free_port
+from proxy.server.upstream import Timeouts, UpstreamClient
 from tests.proxy.helpers import split_options
 
 REPO = Path(__file__).resolve().parents[2]
