@@ -54,7 +54,8 @@ _request_ids = itertools.count(1)
 @dataclass
 class ProxyState:
     """What the routes share: the settings, the server's facts, and the objects the
-    settings build (each setting is read here, once)."""
+    settings configure, built here once (the scheduler in build_state; the routes read
+    only the retry and pass-through timings themselves)."""
 
     upstream: UpstreamClient
     settings: ProxySettings
@@ -322,17 +323,20 @@ def reliability_metrics(state: ProxyState) -> str:
     return "\n".join(lines) + "\n"
 
 
-def busy_response(state: ProxyState, message: str) -> web.Response:
-    response = error_response(503, message, spec_header="speculative")
+def _retry_after(state: ProxyState, response: web.Response) -> web.Response:
     response.headers["Retry-After"] = str(state.settings.retry_after_s)
     return response
+
+
+def busy_response(state: ProxyState, message: str) -> web.Response:
+    return _retry_after(state, error_response(503, message, spec_header="speculative"))
 
 
 def _upstream_failure(state: ProxyState, exc: UpstreamError) -> web.Response:
     state.upstream_failures += 1
     response = upstream_error_response(exc, spec_header="speculative")
     if response.status == 503:  # down or restarting: worth retrying shortly
-        response.headers["Retry-After"] = str(state.settings.retry_after_s)
+        _retry_after(state, response)
     return response
 
 
