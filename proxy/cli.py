@@ -18,7 +18,7 @@ from proxy.user_errors import UserError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("proxy.serve_cmd", "run the speculative proxy in front of llama-server"),
     "install-server": (
-        "proxy.server_install",
+        "proxy.server.server_install",
         "build the pinned stock llama-server into the user cache",
     ),
     "make-models": ("npu_draft.factory.cli", "write offline test/demo models (GGUF, HF, drafter)"),

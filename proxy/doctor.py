@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from proxy.config import normalize_upstream_url
-from proxy.llama_server import LlamaServerNotFound, find_llama_server, server_version
+from proxy.server.llama_server import LlamaServerNotFound, find_llama_server, server_version
 from proxy.user_errors import UserError
 
 NPU_PROVIDER = "VitisAIExecutionProvider"
@@ -63,7 +63,7 @@ def onnxruntime_report() -> list[str]:
 
 
 def upstream_report(url: str, k: int, conversations: int) -> tuple[list[str], bool]:
-    from proxy.attach_check import check_upstream
+    from proxy.server.attach_check import check_upstream
 
     try:
         url = normalize_upstream_url(url)
@@ -84,8 +84,8 @@ def upstream_report(url: str, k: int, conversations: int) -> tuple[list[str], bo
 
 
 def plan_report(args: argparse.Namespace) -> list[str]:
-    from proxy.kv_plan import KvPlan, plan_lines, read_kv_shape
-    from proxy.managed import ServerLayout
+    from proxy.server.kv_plan import KvPlan, plan_lines, read_kv_shape
+    from proxy.server.managed import ServerLayout
 
     if args.model is None:
         raise UserError("--plan needs the target model", "add --model MODEL.gguf")
@@ -109,7 +109,7 @@ def rpc_report(url: str) -> list[str]:
     names no devices, so this reads the --rpc argument of the process listening on the
     upstream's port, which is visible only when it runs on this host as this user. An
     RPC split is a supported set-up, reported as ok, never as a misconfiguration."""
-    from proxy.rpc import local_rpc_use
+    from proxy.server.rpc import local_rpc_use
 
     use = local_rpc_use(url)
     if use is None:

@@ -14,6 +14,7 @@ import signal
 import socket
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -23,7 +24,14 @@ from pydantic import ValidationError
 
 from npu_draft.load import parse_ngram_spec
 from proxy.config import ConfigFileError, ProxySettings, load_settings, settings_error_lines
-from proxy.llama_server import LlamaServerNotFound, LlamaServerStartError, find_llama_server
+from proxy.server.llama_server import (
+    LlamaServerNotFound,
+    LlamaServerProcess,
+    LlamaServerStartError,
+    find_llama_server,
+)
+from proxy.server.managed import ServerLayout, ServerSupervisor, managed_server, write_key_file
+from proxy.server.upstream import Timeouts, UpstreamClient, UpstreamClientError, UpstreamError
 from proxy.user_errors import UserError
 
 log = logging.getLogger(__name__)
@@ -494,154 +502,172 @@ def _drafter_opener(
     return open_session, model
 
 
-async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> int:
-    from npu_draft.providers import ProviderMismatch, ProviderUnavailable
-    from npu_draft.tokenizer_check import TokenizerMismatch
-    from proxy.api import build_state, create_app
-    from proxy.attach_check import check_upstream
-    from proxy.managed import ServerLayout, ServerSupervisor, managed_server, write_key_file
-    from proxy.upstream import Timeouts, UpstreamClient, UpstreamClientError, UpstreamError
+@dataclass
+class _Running:
+    """What serve() started, stopped in this order on the way out."""
 
-    server = None
-    supervisor = None
-    model = None
+    server: LlamaServerProcess | None = None
+    supervisor: ServerSupervisor | None = None
     runner: web.AppRunner | None = None
     upstream: UpstreamClient | None = None
-    errors: list = []
-    temp_slots: Path | None = None
-    key_dir: Path | None = None
-    upstream_key = settings.upstream_api_key
-    try:
-        if settings.target is not None:
-            slot_dir = settings.slot_save_dir
-            if slot_dir is None:  # slot files are ours alone: removed on exit
-                temp_slots = slot_dir = Path(tempfile.mkdtemp(prefix="npu-spec-slots-"))
-            server_args = list(settings.server_args)
-            if upstream_key is None and settings.api_key:
-                # a key on the proxy means nobody should reach the managed server
-                # around it: give the server a random key only the proxy knows
-                upstream_key = secrets.token_urlsafe(24)
-            if upstream_key is not None:
-                key_dir = Path(tempfile.mkdtemp(prefix="npu-spec-key-"))
-                server_args += ["--api-key-file", str(write_key_file(upstream_key, key_dir))]
-            layout = ServerLayout(
-                settings.k, settings.ctx, settings.conversations, settings.passthrough_slots
-            )
-            server = managed_server(
-                Path(settings.target),
-                layout,
-                binary=settings.llama_server,
-                threads=settings.threads,
-                host=settings.server_host,
-                port=settings.server_port,
-                slot_save_dir=slot_dir,
-                extra_args=server_args,
-                log_path=settings.server_log,
-            )
-            await server.start()
-            base_url = server.base_url
-            log.info("managed llama-server at %s (%d slots)", base_url, layout.slots)
-            if settings.restart_server:
-                supervisor = ServerSupervisor(server, settings.max_restarts)
-                supervisor.start()
-        else:
-            assert settings.upstream is not None
-            base_url = settings.upstream
-        # Attached without an upstream key, clients' Authorization headers are
-        # forwarded as they came; the proxy's own calls then carry its own key, which
-        # is what those clients had to present.
-        own_key = upstream_key if upstream_key is not None else settings.api_key
-        if settings.target is None:
-            findings = await check_upstream(
-                base_url, settings.k, settings.conversations, api_key=own_key
-            )
-            errors = [f for f in findings if f.severity == "error"]
-            for finding in findings:
-                level = logging.ERROR if finding.severity == "error" else logging.INFO
-                fix = f" (fix: {finding.fix})" if finding.fix else ""
-                log.log(level, "%s: %s%s", finding.severity, finding.message, fix)
-            if errors and settings.attach_policy == "refuse":
-                log.error(
-                    "refusing to serve speculatively; fix the flags above or pass "
-                    "--attach-policy degrade to pass everything through"
-                )
-                return 1
-        upstream = UpstreamClient(
-            base_url, Timeouts(verify=settings.verify_timeout_s), api_key=own_key
-        )
-        try:
-            facts = await target_tokenizer_facts(upstream)
-        except (UpstreamError, UpstreamClientError) as error:
-            raise UserError(
-                f"cannot read the target's tokenizer: {error}",
-                "check that llama-server runs there (npu-spec doctor --upstream URL)",
-            ) from None
-        try:
-            open_drafter, model = await asyncio.to_thread(_drafter_opener, settings, facts)
-        except (
-            TokenizerMismatch,
-            ProviderMismatch,
-            ProviderUnavailable,
-            OSError,
-            ValueError,
-        ) as error:
-            # a drafter for another model, an absent provider, an unusable folder
-            raise UserError(f"drafter {settings.drafter}: {error}") from None
-        if errors:  # attached with --attach-policy degrade
-            open_drafter = None  # every request goes through unchanged
-        state = await build_state(
-            upstream,
-            settings.k,
-            open_drafter,
-            adaptive_k=settings.adaptive_k,
-            draft_length=settings.draft_length,
-            early_draft=settings.early_draft,
-            overlap=settings.overlap,
-            plain_runs=settings.plain_runs,
-            check_decodes=settings.check_decodes,
-            strict_decodes=settings.strict_decodes,
-            when_busy=settings.when_busy,
-            queue_timeout_s=settings.queue_timeout_s,
-            max_queue=settings.max_queue,
-            api_key=settings.api_key,
-            max_body_bytes=settings.max_body_bytes,
-            allow_slot_actions=settings.allow_slot_actions,
-            draft_timeout_s=settings.draft_timeout_s,
-            reload_drafter=_drafter_reloader(settings, facts) if open_drafter else None,
-            retry_after_s=settings.retry_after_s,
-            passthrough_read_timeout_s=settings.passthrough_read_timeout_s,
-            replace_upstream_auth=upstream_key is not None,
-            server_restarts=(lambda: supervisor.restarts) if supervisor is not None else None,
-        )
-        runner = web.AppRunner(create_app(state), handler_cancellation=True)
-        await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
-        log.info("npu-spec proxy on http://%s:%d -> %s", settings.host, settings.port,
-                 redact_url(base_url))  # fmt: skip
-        if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
-            log.warning("listening on %s without --api-key: anyone who can reach it may "
-                        "use the model", settings.host)  # fmt: skip
-        if ready is not None:
-            ready.set()
-        await _wait_for_signal()
-        return 0
-    finally:
-        if supervisor is not None:
-            await supervisor.stop()
-        if runner is not None:
-            await runner.cleanup()
-        if upstream is not None:
-            await upstream.close()
-        if model is not None:
+    model: Any = None  # the loaded drafter
+    temp_dirs: list[Path] = field(default_factory=list)  # slot files, the key file
+
+    async def stop(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.upstream is not None:
+            await self.upstream.close()
+        if self.model is not None:
             with contextlib.suppress(Exception):
-                model.close()
-        if server is not None:
-            await server.stop()
-        if temp_slots is not None:
-            shutil.rmtree(temp_slots, ignore_errors=True)
-        if key_dir is not None:
-            shutil.rmtree(key_dir, ignore_errors=True)
+                self.model.close()
+        if self.server is not None:
+            await self.server.stop()
+        for folder in self.temp_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> int:
+    running = _Running()
+    try:
+        return await _serve(settings, running, ready)
+    finally:
+        await running.stop()
+
+
+async def _serve(settings: ProxySettings, running: _Running, ready: asyncio.Event | None) -> int:
+    from proxy.api import build_state, create_app
+
+    upstream_key = settings.upstream_api_key
+    if settings.target is not None:
+        base_url, upstream_key = await _start_managed(settings, running)
+    else:
+        assert settings.upstream is not None
+        base_url = settings.upstream
+    # Attached without an upstream key, clients' Authorization headers are
+    # forwarded as they came; the proxy's own calls then carry its own key, which
+    # is what those clients had to present.
+    own_key = upstream_key if upstream_key is not None else settings.api_key
+    degraded = False
+    if settings.target is None:
+        degraded = await _check_attached(settings, base_url, own_key)
+        if degraded and settings.attach_policy == "refuse":
+            log.error(
+                "refusing to serve speculatively; fix the flags above or pass "
+                "--attach-policy degrade to pass everything through"
+            )
+            return 1
+    running.upstream = upstream = UpstreamClient(
+        base_url, Timeouts(verify=settings.verify_timeout_s), api_key=own_key
+    )
+    facts = await _read_tokenizer_facts(upstream)
+    open_drafter, running.model = await _load_drafter(settings, facts)
+    if degraded:  # attached with --attach-policy degrade
+        open_drafter = None  # every request goes through unchanged
+    supervisor = running.supervisor
+    state = await build_state(
+        settings,
+        upstream,
+        open_drafter,
+        reload_drafter=_drafter_reloader(settings, facts) if open_drafter else None,
+        replace_upstream_auth=upstream_key is not None,
+        server_restarts=(lambda: supervisor.restarts) if supervisor is not None else None,
+    )
+    running.runner = web.AppRunner(create_app(state), handler_cancellation=True)
+    await _listen(settings, running.runner, base_url)
+    if ready is not None:
+        ready.set()
+    await _wait_for_signal()
+    return 0
+
+
+async def _start_managed(settings: ProxySettings, running: _Running) -> tuple[str, str | None]:
+    """Start llama-server (and its supervisor); (its URL, the key the proxy sends it)."""
+    assert settings.target is not None
+    slot_dir = settings.slot_save_dir
+    if slot_dir is None:  # slot files are ours alone: removed on exit
+        slot_dir = Path(tempfile.mkdtemp(prefix="npu-spec-slots-"))
+        running.temp_dirs.append(slot_dir)
+    server_args = list(settings.server_args)
+    upstream_key = settings.upstream_api_key
+    if upstream_key is None and settings.api_key:
+        # a key on the proxy means nobody should reach the managed server
+        # around it: give the server a random key only the proxy knows
+        upstream_key = secrets.token_urlsafe(24)
+    if upstream_key is not None:
+        key_dir = Path(tempfile.mkdtemp(prefix="npu-spec-key-"))
+        running.temp_dirs.append(key_dir)
+        server_args += ["--api-key-file", str(write_key_file(upstream_key, key_dir))]
+    layout = ServerLayout(
+        settings.k, settings.ctx, settings.conversations, settings.passthrough_slots
+    )
+    running.server = server = managed_server(
+        Path(settings.target),
+        layout,
+        binary=settings.llama_server,
+        threads=settings.threads,
+        host=settings.server_host,
+        port=settings.server_port,
+        slot_save_dir=slot_dir,
+        extra_args=server_args,
+        log_path=settings.server_log,
+    )
+    await server.start()
+    log.info("managed llama-server at %s (%d slots)", server.base_url, layout.slots)
+    if settings.restart_server:
+        running.supervisor = ServerSupervisor(server, settings.max_restarts)
+        running.supervisor.start()
+    return server.base_url, upstream_key
+
+
+async def _check_attached(settings: ProxySettings, base_url: str, api_key: str | None) -> bool:
+    """Log what the attached server's flags allow; True when one-decode verification
+    is impossible there."""
+    from proxy.server.attach_check import check_upstream
+
+    findings = await check_upstream(base_url, settings.k, settings.conversations, api_key=api_key)
+    for finding in findings:
+        level = logging.ERROR if finding.severity == "error" else logging.INFO
+        fix = f" (fix: {finding.fix})" if finding.fix else ""
+        log.log(level, "%s: %s%s", finding.severity, finding.message, fix)
+    return any(finding.severity == "error" for finding in findings)
+
+
+async def _read_tokenizer_facts(upstream: UpstreamClient) -> Any:
+    try:
+        return await target_tokenizer_facts(upstream)
+    except (UpstreamError, UpstreamClientError) as error:
+        raise UserError(
+            f"cannot read the target's tokenizer: {error}",
+            "check that llama-server runs there (npu-spec doctor --upstream URL)",
+        ) from None
+
+
+async def _load_drafter(
+    settings: ProxySettings, facts: Any
+) -> tuple[Callable[[], Any] | None, Any]:
+    """(session opener, loaded model), loaded in a thread; a drafter for another
+    model, an absent provider or an unusable folder is the user's to fix."""
+    from npu_draft.providers import ProviderMismatch, ProviderUnavailable
+    from npu_draft.tokenizer_check import TokenizerMismatch
+
+    try:
+        return await asyncio.to_thread(_drafter_opener, settings, facts)
+    except (TokenizerMismatch, ProviderMismatch, ProviderUnavailable, OSError, ValueError) as error:
+        raise UserError(f"drafter {settings.drafter}: {error}") from None
+
+
+async def _listen(settings: ProxySettings, runner: web.AppRunner, base_url: str) -> None:
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    log.info("npu-spec proxy on http://%s:%d -> %s", settings.host, settings.port,
+             redact_url(base_url))  # fmt: skip
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach it may "
+                    "use the model", settings.host)  # fmt: skip
 
 
 def redact_url(url: str) -> str:

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.upstream import UpstreamClient, VerifyResult
+from proxy.server.upstream import UpstreamClient, VerifyResult
 
 log = logging.getLogger(__name__)
 

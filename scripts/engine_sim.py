@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from npu_draft.oracle import OracleConfig, OracleDraftModel
 from proxy.engine import AsyncSessionDrafter, EngineSettings, Generation, GenerationParams
 from proxy.policies import DraftLengthPolicy, OverlapPolicy, Policies
+from proxy.server.upstream import VerifyResult
 from proxy.server_text import PieceCache
-from proxy.upstream import VerifyResult
 
 
 @dataclass

@@ -34,8 +34,8 @@ import aiohttp
 
 from npu_draft.oracle import OracleConfig, write_oracle_folder
 from proxy.bench.prompts import DEFAULT_PROMPTS, load_prompt_set
-from proxy.llama_server import free_port
-from proxy.managed import ServerLayout, managed_server
+from proxy.server.llama_server import free_port
+from proxy.server.managed import ServerLayout, managed_server
 
 SUMS = ("draft_ms", "verify_ms", "overhead_ms", "server_idle_ms", "drafter_idle_ms")
 GAUGES = ("draft_acceptance", "draft_token_ms", "draft_resync_ms", "draft_length_chosen")

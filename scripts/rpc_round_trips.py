@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from proxy.bench.rpc_stack import rpc_endpoints
-from proxy.managed import ServerLayout, managed_server
-from proxy.rpc import find_rpc_server
-from proxy.upstream import UpstreamClient
+from proxy.server.managed import ServerLayout, managed_server
+from proxy.server.rpc import find_rpc_server
+from proxy.server.upstream import UpstreamClient
 
 PROMPT = "Once upon a time, in a land far away, there lived"
 

@@ -11,7 +11,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
 read -r SRC BUILD CACHE < <(cd "$REPO" && "$PY" -c '
-from proxy.server_install import LLAMA_CPP_BUILD, cache_root, fetch_source
+from proxy.server.server_install import LLAMA_CPP_BUILD, cache_root, fetch_source
 print(fetch_source(), LLAMA_CPP_BUILD, cache_root())')
 ROOT="$CACHE/web-ui"
 DIST="$ROOT/dist-$BUILD"

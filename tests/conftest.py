@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from npu_draft.factory import make_models
-from proxy.llama_server import LlamaServerProcess, find_llama_server
+from proxy.server.llama_server import LlamaServerProcess, find_llama_server
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = REPO / ".cache" / "test-models"

@@ -98,7 +98,7 @@ def draft_weights(core: Weights, spec: DraftSpec, seed: int) -> Weights:
 
 def _pinned_sources() -> tuple[Path, str]:
     """llama.cpp's Qwen2 vocab GGUF and the Qwen3 chat template, from the pinned source."""
-    from proxy import server_install  # the pinned llama.cpp source lives in its cache
+    from proxy.server import server_install  # the pinned llama.cpp source lives in its cache
 
     server_install.fetch_source()
     return server_install.vocab_file(), server_install.chat_template_file().read_text()
@@ -106,7 +106,7 @@ def _pinned_sources() -> tuple[Path, str]:
 
 def _tokenizer_dir(vocab_gguf: Path, chat_template: str) -> Path:
     """Tokenizer files converted once per machine and reused."""
-    from proxy import server_install
+    from proxy.server import server_install
 
     cached = server_install.cache_root() / "tokenizer-qwen3"
     if not (cached / "tokenizer.json").is_file():

@@ -31,6 +31,7 @@ from proxy.api.requests import (
     parse_completion,
 )
 from proxy.api.tool_calls import ToolTriggers, server_stream
+from proxy.config import ProxySettings
 from proxy.drafter_guard import DrafterSupervisor
 from proxy.engine import (
     AsyncDrafter,
@@ -43,8 +44,8 @@ from proxy.engine import (
 from proxy.metrics import ProxyMetrics
 from proxy.policies import DraftLengthPolicy, OverlapPolicy, PlainRunGate, Policies
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
+from proxy.server.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
 from proxy.server_text import PieceCache, TokenEvent
-from proxy.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count(1)
@@ -52,38 +53,36 @@ _request_ids = itertools.count(1)
 
 @dataclass
 class ProxyState:
+    """What the routes share: the settings, the server's facts, and the objects the
+    settings configure, built here once (the scheduler in build_state; the routes read
+    only the retry and pass-through timings themselves)."""
+
     upstream: UpstreamClient
+    settings: ProxySettings
     scheduler: SlotScheduler
-    metrics: ProxyMetrics
     props: dict[str, Any]
-    k: int
-    open_drafter: Callable[[], AsyncDrafter] | None  # None: no drafter, everything passes
     settings_template: dict[str, Any]  # generation_settings of a default greedy request
-    check_decodes: bool = False
-    strict_decodes: bool = False
-
-    replicate_prefill: bool = True
-    adaptive_k: bool = True
-    draft_length: str = "formula"  # formula | marginal (proxy.policies.draft_length)
-    early_draft: bool = True  # draft the next round as soon as a verify result is back
-    overlap: str = "auto"  # auto | on | off (proxy.policies.overlap)
-    plain_runs: str = "auto"  # auto | off (proxy.policies.plain_runs)
-
-    # reliability and security
-    guard: GuardSettings = field(default_factory=GuardSettings)
-    draft_timeout_s: float = 30.0
+    open_drafter: Callable[[], AsyncDrafter] | None  # None: no drafter, everything passes
+    metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
+    n_vocab: int | None = None  # the target's vocabulary (None: token ids unchecked)
+    # what serve() started, not settings
     reload_drafter: Callable[[], Callable[[], AsyncDrafter]] | None = None
-    retry_after_s: int = 2
-    passthrough_read_timeout_s: float | None = None  # None: wait as long as the server
     replace_upstream_auth: bool = False  # the upstream key replaces the client's header
     server_restarts: Callable[[], int] | None = None  # managed mode: restarts so far
 
     def __post_init__(self) -> None:
+        settings = self.settings
+        self.guard = GuardSettings(
+            api_key=settings.api_key,
+            max_body_bytes=settings.max_body_bytes,
+            allow_slot_actions=settings.allow_slot_actions,
+            n_vocab=self.n_vocab,
+        )
         self.pieces = PieceCache(self.upstream)
-        self.replicator = SlotReplicator(self.upstream) if self.replicate_prefill else None
+        self.replicator = SlotReplicator(self.upstream)
         self.drafters = (
             DrafterSupervisor(
-                self.open_drafter, self.reload_drafter, self.draft_timeout_s, self.guard.n_vocab
+                self.open_drafter, self.reload_drafter, settings.draft_timeout_s, self.n_vocab
             )
             if self.open_drafter is not None
             else None
@@ -91,21 +90,15 @@ class ProxyState:
         # Slot files the proxy writes: generated names, unguessable, and refused to
         # clients (guard.RESERVED_SLOT_PREFIX), so no request can swap their contents.
         self.slot_file_stem = f"{RESERVED_SLOT_PREFIX}{secrets.token_hex(8)}"
-        self.engine_settings = EngineSettings(
-            k=self.k,
-            adaptive=self.adaptive_k,
-            overlap=self.overlap,
-            early_draft=self.early_draft,
-            check_decodes=self.check_decodes,
-            strict_decodes=self.strict_decodes,
+        self.engine_settings = EngineSettings.from_settings(settings)
+        self.draft_lengths = DraftLengthPolicy(
+            settings.k, settings.adaptive_k, settings.draft_length
         )
-        self.draft_lengths = DraftLengthPolicy(self.k, self.adaptive_k, self.draft_length)
-        self.overlap_policy = OverlapPolicy(self.overlap)
+        self.overlap_policy = OverlapPolicy(settings.overlap)
         # one gate per mode: a sampling round costs more (the server sends its
         # distribution back), so the two are measured apart
-        runs_mode = "off" if self.plain_runs == "off" else "auto"
-        self.plain_run_gate = PlainRunGate(runs_mode)
-        self.sampled_run_gate = PlainRunGate(runs_mode, name="unseeded sampling")
+        self.plain_run_gate = PlainRunGate(settings.plain_runs)
+        self.sampled_run_gate = PlainRunGate(settings.plain_runs, name="unseeded sampling")
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
         self.tool_triggers = ToolTriggers(self.upstream)
@@ -144,53 +137,34 @@ async def probe_settings_template(upstream: UpstreamClient) -> dict[str, Any]:
 
 
 async def build_state(
+    settings: ProxySettings,
     upstream: UpstreamClient,
-    k: int,
     open_drafter: Callable[[], AsyncDrafter] | None,
     scheduler: SlotScheduler | None = None,
-    check_decodes: bool = False,
-    strict_decodes: bool = False,
-    when_busy: str = "queue",
-    queue_timeout_s: float = 300.0,
-    replicate_prefill: bool = True,
-    max_queue: int | None = None,
-    adaptive_k: bool = True,
-    overlap: str = "auto",
-    plain_runs: str = "auto",
-    **reliability: Any,
+    **started: Any,
 ) -> ProxyState:
-    """Read the server's facts (props, settings template) and assemble the state.
-
-    `reliability` takes the ProxyState fields of that section; `api_key`,
-    `max_body_bytes` and `allow_slot_actions` go into its GuardSettings.
-    """
+    """Read the server's facts (props, settings template, vocabulary) and assemble the
+    state. `started` takes the ProxyState fields of what serve() started (reload_drafter,
+    replace_upstream_auth, server_restarts)."""
     props = await upstream.props()
     template = await probe_settings_template(upstream)
     if scheduler is None:
         scheduler = SlotScheduler(
-            int(props.get("total_slots", 1)), k + 1, when_busy, queue_timeout_s, max_queue
+            int(props.get("total_slots", 1)),
+            settings.k + 1,
+            settings.when_busy,
+            settings.queue_timeout_s,
+            settings.max_queue,
         )
-    guard_fields = {
-        name: reliability.pop(name)
-        for name in ("api_key", "max_body_bytes", "allow_slot_actions")
-        if name in reliability
-    }
-    reliability["guard"] = GuardSettings(n_vocab=await _vocab_size(upstream), **guard_fields)
     return ProxyState(
         upstream=upstream,
+        settings=settings,
         scheduler=scheduler,
-        metrics=ProxyMetrics(),
         props=props,
-        k=k,
-        open_drafter=open_drafter,
         settings_template=template,
-        check_decodes=check_decodes,
-        strict_decodes=strict_decodes,
-        replicate_prefill=replicate_prefill,
-        adaptive_k=adaptive_k,
-        overlap=overlap,
-        plain_runs=plain_runs,
-        **reliability,
+        open_drafter=open_drafter,
+        n_vocab=await _vocab_size(upstream),
+        **started,
     )
 
 
@@ -236,7 +210,7 @@ async def _forward(
         state.upstream,
         body,
         replace_auth=state.replace_upstream_auth,
-        read_timeout_s=state.passthrough_read_timeout_s,
+        read_timeout_s=state.settings.passthrough_read_timeout_s,
     )
 
 
@@ -349,17 +323,20 @@ def reliability_metrics(state: ProxyState) -> str:
     return "\n".join(lines) + "\n"
 
 
-def busy_response(state: ProxyState, message: str) -> web.Response:
-    response = error_response(503, message, spec_header="speculative")
-    response.headers["Retry-After"] = str(state.retry_after_s)
+def _retry_after(state: ProxyState, response: web.Response) -> web.Response:
+    response.headers["Retry-After"] = str(state.settings.retry_after_s)
     return response
+
+
+def busy_response(state: ProxyState, message: str) -> web.Response:
+    return _retry_after(state, error_response(503, message, spec_header="speculative"))
 
 
 def _upstream_failure(state: ProxyState, exc: UpstreamError) -> web.Response:
     state.upstream_failures += 1
     response = upstream_error_response(exc, spec_header="speculative")
     if response.status == 503:  # down or restarting: worth retrying shortly
-        response.headers["Retry-After"] = str(state.retry_after_s)
+        _retry_after(state, response)
     return response
 
 

@@ -6,7 +6,7 @@ import json
 
 from aiohttp import web
 
-from proxy.upstream import UpstreamError
+from proxy.server.upstream import UpstreamError
 
 _TYPES = {
     400: "invalid_request_error",

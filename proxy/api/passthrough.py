@@ -9,7 +9,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.api.errors import upstream_error_response
-from proxy.upstream import UpstreamClient, UpstreamError
+from proxy.server.upstream import UpstreamClient, UpstreamError
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those aiohttp sets itself.
 _DROP_REQUEST = {

@@ -107,5 +107,5 @@ def stage_effect(stage: str, get: Callable[[str], Any]) -> Effect:
 
 
 # Stages whose KEEPS_ARGMAX/MIRRORED effect the sampling-mode verify batch reproduces,
-# in its order (proxy.upstream.SAMPLING_CHAIN).
+# in its order (proxy.server.upstream.SAMPLING_CHAIN).
 MIRRORED_ORDER = ["top_k", "top_p", "min_p", "temperature"]

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from proxy.api.requests import NotEligible
-from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
+from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 TRIGGER_WORD = 1  # common_grammar_trigger_type: TOKEN, WORD, PATTERN, PATTERN_FULL
 MAX_TOOL_SETS = 64  # tool sets remembered; the oldest is asked again when it returns

@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.upstream import parse_prometheus
+from proxy.server.upstream import parse_prometheus
 
 SPEC_HEADER = "X-Npu-Spec"
 

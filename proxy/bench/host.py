@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.procmem import gpu_names
-from proxy.llama_server import server_version
+from proxy.server.llama_server import server_version
 
 
 def host_info(binary: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@
 
 plain and builtin get a llama-server each, started fresh and stopped after use.
 proxy and oracle at one k share one llama-server started exactly as managed mode
-starts it (`proxy.managed`); each attaches its own `npu-spec serve --upstream`
+starts it (`proxy.server.managed`); each attaches its own `npu-spec serve --upstream`
 process to it, and every slot is erased before each, so no mode inherits another's
 cache. Sharing saves a model load per mode, which is most of the start-up time of
 a large target. The proxy runs as its own process, as users run it, so its timings
@@ -33,8 +33,8 @@ from pathlib import Path
 import aiohttp
 
 from proxy.bench.procmem import child_pids, gpu_memory_mb, gpu_used_mb, peak_rss_mb
-from proxy.llama_server import LlamaServerProcess, free_port
-from proxy.managed import ServerLayout, managed_server
+from proxy.server.llama_server import LlamaServerProcess, free_port
+from proxy.server.managed import ServerLayout, managed_server
 
 MODE_KINDS = ("plain", "builtin", "builtin-synth", "proxy", "oracle")
 BUILTIN_KINDS = ("builtin", "builtin-synth")

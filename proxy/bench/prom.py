@@ -1,4 +1,4 @@
-"""Counter arithmetic on parsed /metrics pages (parsed by proxy.upstream.parse_prometheus)."""
+"""Counter arithmetic on parsed /metrics pages (parsed by `proxy.server.upstream`)."""
 
 from __future__ import annotations
 

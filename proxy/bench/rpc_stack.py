@@ -25,8 +25,8 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from proxy.llama_server import free_port
-from proxy.rpc import RpcServerNotFound, find_rpc_server, rpc_servers
+from proxy.server.llama_server import free_port
+from proxy.server.rpc import RpcServerNotFound, find_rpc_server, rpc_servers
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ from proxy.bench.prompts import BenchPrompt, ServerText, build_prompts, load_pro
 from proxy.bench.results import jsonable, now_utc, write_json
 from proxy.bench.stats import request_stats, summary_rows
 from proxy.bench.verify_cost import RoundCosts, measure_round_costs
-from proxy.llama_server import LlamaServerProcess, find_llama_server
+from proxy.server.llama_server import LlamaServerProcess, find_llama_server
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 For each server option set (`--variant NAME=ARGS`) and each prompt length, one
 llama-server is started with exactly the flags managed mode uses
-(`proxy.managed.verification_flags`: -kvu, --no-cache-idle-slots, -cram 0,
+(`proxy.server.managed.verification_flags`: -kvu, --no-cache-idle-slots, -cram 0,
 --metrics, one -c share per slot) and measured with real requests on random token
 ids (the cost of a pass does not depend on which tokens it sees):
 
@@ -56,9 +56,9 @@ from typing import Any
 from proxy.bench.host import host_info
 from proxy.bench.options import Variant, comma_choices, context_list, int_list, parse_variant
 from proxy.bench.results import default_result_path, jsonable, now_utc, write_json
-from proxy.llama_server import find_llama_server
-from proxy.managed import ServerLayout, managed_server
-from proxy.upstream import (
+from proxy.server.llama_server import find_llama_server
+from proxy.server.managed import ServerLayout, managed_server
+from proxy.server.upstream import (
     GREEDY_VERIFY_PARAMS,
     VERIFY_FIELDS,
     UpstreamClient,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from proxy.upstream import UpstreamClient
+from proxy.server.upstream import UpstreamClient
 
 log = logging.getLogger(__name__)
 

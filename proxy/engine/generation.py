@@ -23,8 +23,8 @@ from proxy.engine.rules import rule_for
 from proxy.engine.settings import EngineSettings, GenerationParams
 from proxy.engine.slot_copies import SlotCopies, SlotReplicator
 from proxy.policies import Policies
+from proxy.server.upstream import UpstreamClient
 from proxy.server_text import PieceCache, ServerTextState, TokenEvent
-from proxy.upstream import UpstreamClient
 
 
 class Generation:

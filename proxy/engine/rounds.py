@@ -16,8 +16,8 @@ from proxy.engine.records import RoundObserver, RoundRecord
 from proxy.engine.rules import Dists, Rule
 from proxy.engine.slot_copies import FirstRound, SlotCopies
 from proxy.policies import Policies
+from proxy.server.upstream import PlainRun, UpstreamClient, VerifyResult
 from proxy.server_text import PieceCache, TokenEvent
-from proxy.upstream import PlainRun, UpstreamClient, VerifyResult
 
 
 @dataclass

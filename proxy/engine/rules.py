@@ -24,8 +24,8 @@ from proxy.acceptance import (
 )
 from proxy.engine.draft_source import DraftOutcome, DraftSource
 from proxy.policies import Policies
+from proxy.server.upstream import PlainRun, SamplingSpec, UpstreamClient, VerifyResult
 from proxy.server_text import PieceCache, valid_utf8_prefix
-from proxy.upstream import PlainRun, SamplingSpec, UpstreamClient, VerifyResult
 
 Dists = list[SparseDist | None] | None  # q per draft token in sampling mode
 _RANDOM_SEED = 0xFFFFFFFF  # the server's "random seed"; the proxy's draws stay below it

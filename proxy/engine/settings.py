@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from proxy.policies import OverlapMode
-from proxy.upstream import SamplingSpec
+from proxy.server.upstream import SamplingSpec
+
+if TYPE_CHECKING:
+    from proxy.config import ProxySettings
 
 
 @dataclass
@@ -30,3 +34,15 @@ class EngineSettings:
     early_draft: bool = True
     check_decodes: bool = False  # count the server's decodes per round; warn when not one
     strict_decodes: bool = False  # ... and fail the generation instead (implies checking)
+
+    @classmethod
+    def from_settings(cls, settings: ProxySettings) -> EngineSettings:
+        """The engine's part of a proxy's settings."""
+        return cls(
+            k=settings.k,
+            adaptive=settings.adaptive_k,
+            overlap=settings.overlap,
+            early_draft=settings.early_draft,
+            check_decodes=settings.check_decodes,
+            strict_decodes=settings.strict_decodes,
+        )

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
+from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)
 

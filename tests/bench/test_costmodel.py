@@ -14,7 +14,7 @@ from proxy.bench.costmodel import (
     predict,
 )
 from proxy.bench.prom import delta, per_position
-from proxy.upstream import parse_prometheus
+from proxy.server.upstream import parse_prometheus
 
 
 def test_expected_tokens_per_round_limits() -> None:

@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 
 from proxy.config import ProxySettings
-from proxy.managed import ServerLayout, verification_flags
-from proxy.server_install import LLAMA_CPP_BUILD
+from proxy.server.managed import ServerLayout, verification_flags
+from proxy.server.server_install import LLAMA_CPP_BUILD
 from tests.deploy.stack import (
     COMPOSE_FILE,
     InterpolationError,
@@ -217,7 +217,7 @@ def test_llama_server_flags_equal_managed_mode(k, conversations, ctx, passthroug
     assert args[start : start + len(expected)] == expected
     assert _option(args, "-m") == "/models/qwen3-32b.gguf"
     assert args[-4:] == ["-fa", "on", "--alias", "qwen3"]  # LLAMA_ARGS, split on spaces
-    # what attached mode checks (proxy/attach_check.py): k+1 slots per conversation
+    # what attached mode checks (proxy/server/attach_check.py): k+1 slots per conversation
     assert int(_option(args, "-np")) >= conversations * (k + 1)
     assert "/slots" in {volume.split(":")[1] for volume in service["volumes"]}
 

@@ -21,8 +21,8 @@ from proxy import cli, doctor
 from proxy.api.app import create_app
 from proxy.api.guard import GuardSettings
 from proxy.config import ProxySettings
-from proxy.managed import ServerLayout
 from proxy.metrics import ProxyMetrics
+from proxy.server.managed import ServerLayout
 from tests.deploy.stack import (
     CLIENTS_DOC,
     REPO,

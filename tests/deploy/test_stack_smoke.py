@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.llama_server import free_port
+from proxy.server.llama_server import free_port
 from tests.deploy.stack import (
     CLIENTS_DOC,
     code_blocks,

@@ -13,7 +13,7 @@ import onnxruntime
 import pytest
 
 from proxy import doctor
-from proxy.llama_server import server_version
+from proxy.server.llama_server import server_version
 from proxy.user_errors import UserError
 
 

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from npu_draft.factory import make_models
 from npu_draft.reference import ReferenceDraftModel
-from proxy.llama_server import LlamaServerProcess
+from proxy.server.llama_server import LlamaServerProcess
 
 pytestmark = pytest.mark.server
 

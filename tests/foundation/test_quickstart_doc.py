@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from proxy import cli
-from proxy.managed import ServerLayout, verification_flags
+from proxy.server.managed import ServerLayout, verification_flags
 from tests.deploy.test_docs import shell_commands
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy import server_install
-from proxy.llama_server import LlamaServerNotFound, find_llama_server
+from proxy.server import server_install
+from proxy.server.llama_server import LlamaServerNotFound, find_llama_server
 
 
 def _fake_binary(path: Path) -> Path:

@@ -21,9 +21,10 @@ from aiohttp import web
 
 from proxy.api import ProxyState, build_state, create_app
 from proxy.engine import AsyncDrafter, AsyncSessionDrafter
-from proxy.llama_server import LlamaServerProcess, free_port
-from proxy.managed import ServerLayout, managed_server
-from proxy.upstream import UpstreamClient
+from proxy.server.llama_server import LlamaServerProcess, free_port
+from proxy.server.managed import ServerLayout, managed_server
+from proxy.server.upstream import UpstreamClient
+from tests.proxy.helpers import split_options
 
 CTX = 768  # tokens per slot on both servers (a multiple of 256: llama.cpp pads -c)
 SPEC_LAYOUT = ServerLayout(k=2, ctx_per_conversation=CTX, conversations=4, passthrough_slots=1)
@@ -128,10 +129,13 @@ async def run_proxy(
     drafter: DrafterFactory | None,
     k: int,
     check_decodes: bool = False,
-    **state_options,
+    **options,
 ) -> AsyncIterator[RunningProxy]:
+    """A proxy in front of `upstream_url`; `options` override single settings
+    (`plain_runs="off"`) or give what serve() would start (`scheduler=...`)."""
+    settings, started = split_options(upstream_url, k, check_decodes=check_decodes, **options)
     upstream = UpstreamClient(upstream_url)
-    state = await build_state(upstream, k, drafter, check_decodes=check_decodes, **state_options)
+    state = await build_state(settings, upstream, drafter, **started)
     runner = web.AppRunner(create_app(state), handler_cancellation=True)
     await runner.setup()
     port = free_port()

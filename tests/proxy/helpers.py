@@ -12,10 +12,31 @@ from typing import Any
 import aiohttp
 
 from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP, top2_gap
+from proxy.config import ProxySettings
 from proxy.drafting import AsyncDrafter, DrafterBase, GreedyDraft, StopRule
 from proxy.engine import Generation, GenerationParams, GenerationResult, RoundRecord
+from proxy.server.upstream import UpstreamClient
 from proxy.server_text import PieceCache
-from proxy.upstream import UpstreamClient
+
+# Test proxies wait as long as their tests do: no queue bound, no limit on a passed-through
+# answer's silence (the CLI always sets both; tests that check a bound give one).
+_UNBOUNDED_IN_TESTS = {"max_queue": None, "passthrough_read_timeout_s": None}
+
+
+def proxy_settings(upstream_url: str, k: int, **overrides: Any) -> ProxySettings:
+    """The settings of an in-process test proxy attached to `upstream_url`: the CLI's
+    defaults, `overrides` (validated), and no bounds on waiting unless given."""
+    settings = ProxySettings(upstream=upstream_url, k=k, **overrides)
+    unbounded = {name: v for name, v in _UNBOUNDED_IN_TESTS.items() if name not in overrides}
+    return settings.model_copy(update=unbounded)
+
+
+def split_options(upstream_url: str, k: int, **options: Any) -> tuple[ProxySettings, dict]:
+    """(settings, the rest) for `build_state`: options named like a setting override
+    it; the others (`scheduler=`, `replace_upstream_auth=`) stand for what serve() starts."""
+    overrides = {name: v for name, v in options.items() if name in ProxySettings.model_fields}
+    started = {name: v for name, v in options.items() if name not in overrides}
+    return proxy_settings(upstream_url, k, **overrides), started
 
 
 @contextlib.asynccontextmanager

@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 
 from proxy import doctor, serve_cmd
-from proxy.attach_check import check_upstream
 from proxy.config import ProxySettings
-from proxy.llama_server import free_port
 from proxy.serve_cmd import serve
+from proxy.server.attach_check import check_upstream
+from proxy.server.llama_server import free_port
 from tests.proxy.conftest import run_proxy
 
 pytestmark = [pytest.mark.server]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from proxy.llama_server import LlamaServerProcess
-from proxy.managed import ServerLayout, managed_server
+from proxy.server.llama_server import LlamaServerProcess
+from proxy.server.managed import ServerLayout, managed_server
 from tests.proxy.conftest import CTX, LOG_DIR, run_proxy
 from tests.proxy.helpers import assert_greedy_equal, parse_sse, post_json, server_pair, tokenize
 

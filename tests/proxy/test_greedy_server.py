@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.engine import EngineSettings, GenerationParams, SlotReplicator
-from proxy.upstream import UpstreamClient
+from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import (
     RecordingDrafter,

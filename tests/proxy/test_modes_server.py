@@ -7,10 +7,10 @@ import asyncio
 import aiohttp
 import pytest
 
-from proxy.attach_check import check_upstream
 from proxy.config import ProxySettings
-from proxy.llama_server import free_port
 from proxy.serve_cmd import serve
+from proxy.server.attach_check import check_upstream
+from proxy.server.llama_server import free_port
 from tests.proxy.helpers import assert_greedy_equal, post_json, tokenize
 
 pytestmark = [pytest.mark.server]

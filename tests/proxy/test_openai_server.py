@@ -12,13 +12,14 @@ from proxy.api import ProxyState, create_app
 from proxy.drafting import DrafterBase
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SlotScheduler
-from proxy.upstream import UpstreamClient
+from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import run_proxy
 from tests.proxy.helpers import (
     assert_greedy_equal,
     chat_prompt_tokens,
     parse_sse,
     post_json,
+    proxy_settings,
     shape,
     stable_length,
     tokenize,
@@ -217,10 +218,10 @@ async def test_unreachable_upstream_is_503_naming_it():
     upstream = UpstreamClient(dead)
     state = ProxyState(
         upstream=upstream,
+        settings=proxy_settings(dead, k=1),
         scheduler=SlotScheduler(4, 2),
         metrics=ProxyMetrics(),
         props=props,
-        k=1,
         open_drafter=lambda: None,
         settings_template={},
     )

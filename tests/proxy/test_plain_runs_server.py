@@ -10,7 +10,7 @@ import pytest
 from proxy.engine import EngineSettings, GenerationParams, SlotReplicator
 from proxy.policies import PlainRunGate, Policies
 from proxy.policies.plain_runs import PASS_REQUESTS
-from proxy.upstream import UpstreamClient
+from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import run_proxy
 from tests.proxy.helpers import assert_greedy_equal, generate, post_json, tokenize
 
@@ -139,7 +139,7 @@ async def test_no_slot_copies_for_a_request_that_starts_in_plain_runs(
 
 async def test_sampling_plain_run_is_the_servers_own_draw_with_the_request_chain(spec_server, http):
     from npu_draft.protocol import SamplingParams
-    from proxy.upstream import SAMPLING_CHAIN, SamplingSpec
+    from proxy.server.upstream import SAMPLING_CHAIN, SamplingSpec
 
     chain = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02)
     spec = SamplingSpec(chain=chain, min_keep=0, seed=None)

@@ -7,8 +7,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.prompt_json import ContextTextCache, verify_body_text
-from proxy.upstream import GREEDY_VERIFY_PARAMS
+from proxy.server.prompt_json import ContextTextCache, verify_body_text
+from proxy.server.upstream import GREEDY_VERIFY_PARAMS
 
 ids = st.lists(st.integers(0, 151_935), max_size=40)
 

@@ -41,8 +41,8 @@ from npu_draft.sampling import sampling_distribution
 from proxy.api.requests import parse_completion
 from proxy.drafting import DrafterBase
 from proxy.engine import AsyncSessionDrafter, EngineSettings, Generation, GenerationParams
+from proxy.server.upstream import SamplingSpec, UpstreamClient
 from proxy.server_text import PieceCache
-from proxy.upstream import SamplingSpec, UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import post_json, tokenize
 from tests.proxy.sampling_stats import chi_square_gof

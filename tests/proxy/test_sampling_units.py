@@ -11,14 +11,14 @@ from proxy.api.requests import NotEligible, parse_chat, parse_completion
 from proxy.drafting import DrafterBase
 from proxy.engine import EngineSettings, Generation, GenerationParams, verdict_of
 from proxy.metrics import ProxyMetrics
-from proxy.server_text import PieceCache
-from proxy.upstream import (
+from proxy.server.upstream import (
     MAX_VERIFY_TOP_K,
     SamplingSpec,
     VerifyResult,
     parse_candidates,
     sampling_verify_params,
 )
+from proxy.server_text import PieceCache
 
 # llama-server b11434's own defaults, as /props reports them
 DEFAULTS = {

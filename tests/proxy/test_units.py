@@ -13,11 +13,11 @@ from proxy.api.shapes import split_reasoning, thinking_prefix
 from proxy.config import ProxySettings, load_settings
 from proxy.drafting import DrafterBase
 from proxy.engine import EngineSettings, Generation, GenerationParams
-from proxy.managed import ServerLayout, verification_flags
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SchedulerBusy, SlotScheduler
+from proxy.server.managed import ServerLayout, verification_flags
+from proxy.server.upstream import VerifyResult, parse_prometheus
 from proxy.server_text import PieceCache, ServerTextState, find_partial_stop, valid_utf8_prefix
-from proxy.upstream import VerifyResult, parse_prometheus
 
 # -- acceptance ----------------------------------------------------------------------
 
@@ -389,7 +389,7 @@ def test_metrics_render_and_parse():
 
 async def test_replication_failure_only_costs_speed():
     from proxy.engine import SlotReplicator
-    from proxy.upstream import UpstreamError
+    from proxy.server.upstream import UpstreamError
 
     script = list(range(100, 120))
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.llama_server import LlamaServerProcess
-from proxy.managed import managed_server
+from proxy.server.llama_server import LlamaServerProcess
+from proxy.server.managed import managed_server
 from tests.proxy.conftest import CTX, LOG_DIR, SPEC_LAYOUT, run_proxy
 from tests.proxy.helpers import chat_prompt_tokens, parse_sse, server_pair, stable_length
 from tests.proxy.test_clients_server import assert_same_stream

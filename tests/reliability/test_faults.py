@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 
 from proxy.config import ProxySettings
-from proxy.llama_server import free_port
 from proxy.scheduler import SlotScheduler
 from proxy.serve_cmd import serve
-from proxy.upstream import Timeouts
+from proxy.server.llama_server import free_port
+from proxy.server.upstream import Timeouts
 from tests.proxy.helpers import assert_greedy_equal, post_json, tokenize
 from tests.reliability.tools import (
     DrafterCounter,

@@ -15,9 +15,9 @@ import pytest
 
 from proxy.api.guard import GuardSettings
 from proxy.config import ProxySettings
-from proxy.llama_server import free_port
-from proxy.managed import ServerLayout, verification_flags
 from proxy.serve_cmd import serve
+from proxy.server.llama_server import free_port
+from proxy.server.managed import ServerLayout, verification_flags
 from tests.reliability.tools import is_openai_error, proxy_for, record
 
 KEY = "proxy-key-Zx81"

@@ -15,12 +15,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from proxy.api import ProxyState, create_app
 from proxy.drafter_guard import DrafterSupervisor
 from proxy.drafting import DrafterBase
-from proxy.llama_server import free_port
-from proxy.managed import ServerSupervisor
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SlotScheduler
 from proxy.serve_cmd import redact_url
-from proxy.upstream import UpstreamClient
+from proxy.server.llama_server import free_port
+from proxy.server.managed import ServerSupervisor
+from proxy.server.upstream import UpstreamClient
+from tests.proxy.helpers import proxy_settings
 from tests.reliability.tools import REPO, sse_events
 
 # -- managed mode: restarting a dead llama-server ------------------------------------------
@@ -178,8 +179,9 @@ async def _half_answer_server(content_type: str) -> tuple[asyncio.Server, str]:
 def _state(url: str) -> ProxyState:
     props = {"default_generation_settings": {"params": {}, "n_ctx": 512}}
     return ProxyState(
-        upstream=UpstreamClient(url), scheduler=SlotScheduler(2, 2), metrics=ProxyMetrics(),
-        props=props, k=1, open_drafter=None, settings_template={},
+        upstream=UpstreamClient(url), settings=proxy_settings(url, k=1),
+        scheduler=SlotScheduler(2, 2), metrics=ProxyMetrics(), props=props,
+        open_drafter=None, settings_template={},
     )  # fmt: skip
 
 

@@ -19,8 +19,9 @@ from aiohttp import web
 
 from proxy.api import ProxyState, build_state, create_app
 from proxy.drafting import DrafterBase
-from proxy.llama_server import free_port
-from proxy.upstream import Timeouts, UpstreamClient
+from proxy.server.llama_server import free_port
+from proxy.server.upstream import Timeouts, UpstreamClient
+from tests.proxy.helpers import split_options
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = Path(os.environ.get("NPU_SPEC_RELIABILITY_RESULTS", REPO / ".cache" / "reliability"))
@@ -269,7 +270,8 @@ async def proxy_for(
     **options: Any,
 ) -> AsyncIterator[Proxy]:
     upstream = UpstreamClient(upstream_url, timeouts, api_key=upstream_api_key)
-    state = await build_state(upstream, k, drafter, **options)
+    settings, started = split_options(upstream_url, k, **options)
+    state = await build_state(settings, upstream, drafter, **started)
     runner = web.AppRunner(create_app(state), handler_cancellation=True)
     await runner.setup()
     port = free_port()

@@ -17,17 +17,17 @@ import pytest
 import pytest_asyncio
 
 from proxy import doctor
-from proxy.attach_check import check_upstream
 from proxy.engine import EngineSettings, GenerationParams
-from proxy.managed import managed_server
-from proxy.rpc import (
+from proxy.server.attach_check import check_upstream
+from proxy.server.managed import managed_server
+from proxy.server.rpc import (
     RpcServerNotFound,
     find_rpc_server,
     rpc_devices_in_log,
     rpc_flag,
     rpc_servers,
 )
-from proxy.upstream import UpstreamClient
+from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import LOG_DIR, SPEC_LAYOUT, run_proxy
 from tests.proxy.helpers import (
     assert_greedy_equal,

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy import doctor, rpc, server_install
+from proxy import doctor
+from proxy.server import rpc, server_install
 
 LISTENER = (
     "import socket, sys, time\n"

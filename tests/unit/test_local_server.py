@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from proxy.local_server import kv_unified, listening_process, local_server_command
+from proxy.server.local_server import kv_unified, listening_process, local_server_command
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from proxy.upstream import UpstreamClient, UpstreamError
+from proxy.server.upstream import UpstreamClient, UpstreamError
 
 REPLY = json.dumps({"tokens": [7, 8]}).encode()
 

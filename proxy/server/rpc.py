@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from proxy import server_install
-from proxy.child_process import ChildProcess
-from proxy.llama_server import free_port
+from proxy.server import server_install
+from proxy.server.child_process import ChildProcess
+from proxy.server.llama_server import free_port
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import aiohttp
 
-from proxy import server_install
-from proxy.child_process import ChildProcess
+from proxy.server import server_install
+from proxy.server.child_process import ChildProcess
 
 log = logging.getLogger(__name__)
 

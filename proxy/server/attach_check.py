@@ -13,8 +13,8 @@ from typing import Literal
 
 import aiohttp
 
-from proxy.local_server import kv_unified, local_server_command
-from proxy.upstream import UpstreamClient, UpstreamClientError, UpstreamError
+from proxy.server.local_server import kv_unified, local_server_command
+from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 Severity = Literal["error", "warning", "ok"]
 

@@ -1,6 +1,6 @@
 """A server binary run as a child process: its log, its start-up wait, its clean stop.
 
-`LlamaServerProcess` (proxy.llama_server) and `RpcServerProcess` (proxy.rpc) differ
+`LlamaServerProcess` (proxy.server.llama_server) and `RpcServerProcess` (proxy.server.rpc) differ
 only in their command line and in what "ready" means.
 """
 

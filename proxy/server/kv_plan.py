@@ -13,7 +13,7 @@ from pathlib import Path
 
 import gguf
 
-from proxy.managed import ServerLayout, verification_flags
+from proxy.server.managed import ServerLayout, verification_flags
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from npu_draft.protocol import SamplingParams
-from proxy.prompt_json import ContextTextCache, verify_body_text
+from proxy.server.prompt_json import ContextTextCache, verify_body_text
 
 # Keys the verify batch needs back from each result; everything else is trimmed.
 VERIFY_FIELDS = ["index", "tokens", "content", "stop_type", "timings/cache_n", "id_slot"]

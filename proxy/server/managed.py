@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from proxy.llama_server import LlamaServerProcess, find_llama_server
+from proxy.server.llama_server import LlamaServerProcess, find_llama_server
 
 log = logging.getLogger(__name__)
 
