@@ -101,6 +101,51 @@ def overlap_round_ms(
     return verify_ms + (1.0 - a ** (k + 1)) * (resync_ms + k * draft_ms_per_token)
 
 
+def multi_outcome_round_ms(
+    a: float, k: int, verify_ms: float, draft_ms_per_token: float, resync_ms: float,
+    lines: int, runner_up_hits: float, batch_cost: float = 1.0,
+) -> float:  # fmt: skip
+    """T(k) when the drafter drafts `lines` continuations in one batch while the server
+    verifies: the all-accepted line (as `overlap_round_ms`) and, for each of the first
+    `lines` - 1 positions (the likeliest rejection points: position i is rejected with
+    probability a^i (1 - a)), the line after the draft's runner-up there. A rejection
+    finds its block ready when the target's correction is that runner-up (probability
+    `runner_up_hits`), so
+
+        P_ready = a^(k+1) + h (1 - a^min(lines - 1, k))
+
+    The batch of k + 1 tokens per line takes (k + 1) t_d `batch_cost` (`batch_cost` =
+    what a step for `lines` sequences costs over one); what of it outlasts the
+    verification is paid by the rounds that use it, and the others wait for a
+    re-sync and k fresh steps. With lines = 1 this is `overlap_round_ms` plus what
+    drafting the k + 1 tokens ahead takes beyond the verification."""
+    covered = min(max(lines - 1, 0), k)
+    ready = a ** (k + 1) + runner_up_hits * (1.0 - a**covered)
+    batch_ms = (k + 1) * draft_ms_per_token * batch_cost
+    return (
+        verify_ms
+        + ready * max(0.0, batch_ms - verify_ms)
+        + (1.0 - ready) * (resync_ms + k * draft_ms_per_token)
+    )
+
+
+def multi_outcome_ceiling(
+    a: float, round_ms: dict[int, float], draft_ms_per_token: float, resync_ms: float,
+    lines: int, runner_up_hits: float, batch_cost: float = 1.0,
+) -> Ceiling | None:  # fmt: skip
+    """max over k of E(k)/T(k), with T from `multi_outcome_round_ms`."""
+    best = None
+    for k, ms in round_ms.items():
+        if ms and ms > 0:
+            total = multi_outcome_round_ms(
+                a, int(k), ms, draft_ms_per_token, resync_ms, lines, runner_up_hits, batch_cost
+            )
+            speed = 1e3 * expected_tokens_per_round(a, k) / total
+            if best is None or speed > best.tokens_per_s:
+                best = Ceiling(speed, int(k))
+    return best
+
+
 def ideal_ceiling(a: float, round_ms: dict[int, float]) -> Ceiling | None:
     """max over k of E(k)/t_v(k): a free draft, the stock API's absolute limit."""
     best = None

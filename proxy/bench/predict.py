@@ -30,11 +30,19 @@ from proxy.bench.costmodel import (
     acceptance_from_ratio,
     expected_tokens_per_round,
     ideal_ceiling,
+    multi_outcome_ceiling,
     overlap_ceiling,
 )
 
 NPU_DRAFT_MS = 1e3 / 91  # Qwen3-0.6B on the XDNA 2 NPU: 91 tok/s
 MAX_K_ONE_STEP = 7  # k + 1 <= 8 tokens cost one step; 9 collapsed
+# Drafting several likely outcomes at once (costmodel.multi_outcome_round_ms): lines
+# per batch, the share of rejections whose correction is the draft's runner-up (not
+# measured for Qwen3-0.6B against Qwen3-32B: a range), and what a batch of that many
+# sequences costs the NPU over one (assumed: matrix-vector bound, like the GPU's).
+OUTCOME_LINES = 3
+RUNNER_UP_HITS = (0.3, 0.5)
+NPU_BATCH_COST = (1.0, 1.5)
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,7 @@ def prediction_lines(
                 f" | {low[2]:.1f}-{high[2]:.1f}"
                 f" | {low[2] / target.builtin_tok_s:.2f}-{high[2] / target.builtin_tok_s:.2f}x |"
             )
+    lines += ["", *outcome_lines(efficiency, acceptance, draft_ms, resync_ms)]
     lines += [
         "",
         "ideal: max over k of E(k)/t_v(k); overlap: max over k of E(k)/T(k), "
@@ -132,6 +141,44 @@ def prediction_lines(
         "overlap. Ranges follow the seed's plain range. a: solved from the seed's "
         "accepted/drafted at its k (or --predict-acceptance).",
     ]
+    return lines
+
+
+def outcome_lines(
+    efficiency: float, acceptance: list[float] | None, draft_ms: float, resync_ms: float
+) -> list[str]:
+    """The same targets if the drafter drafted OUTCOME_LINES likely outcomes at once
+    (not built: what it would be worth, at the engine's measured efficiency)."""
+    lines = [
+        f"if the NPU drafted {OUTCOME_LINES} likely outcomes in one batch (the all-accepted "
+        "line and the runner-up lines after the first rejection points; not built):",
+        "| target | a | runner-up hits h | batch cost | ceiling (k) | predicted proxy "
+        "| proxy / builtin |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for target in SEED:
+        values = acceptance or [
+            statistics.median(acceptance_from_ratio(r, k) for k, _, _, r in target.npu_rows)
+        ]
+        for a in values:
+            for hits in RUNNER_UP_HITS:
+                for cost in NPU_BATCH_COST:
+                    speeds = []
+                    for plain in target.plain_tok_s:
+                        ceiling = multi_outcome_ceiling(
+                            a, one_step_round_ms(1e3 / plain), draft_ms, resync_ms,
+                            OUTCOME_LINES, hits, cost,
+                        )  # fmt: skip
+                        assert ceiling is not None
+                        speeds.append(ceiling)
+                    low, high = speeds[0].tokens_per_s, speeds[-1].tokens_per_s
+                    lines.append(
+                        f"| {target.name} | {a:.2f} | {hits:g} | {cost:g}x "
+                        f"| {low:.1f}-{high:.1f} ({speeds[-1].k}) "
+                        f"| {efficiency * low:.1f}-{efficiency * high:.1f} "
+                        f"| {efficiency * low / target.builtin_tok_s:.2f}-"
+                        f"{efficiency * high / target.builtin_tok_s:.2f}x |"
+                    )
     return lines
 
 

@@ -134,3 +134,34 @@ def test_acceptance_from_ratio_inverts_the_fixed_k_ratio(a: float, k: int) -> No
     assert acceptance_from_ratio(ratio, k) == pytest.approx(a, abs=1e-9)
     with pytest.raises(ValueError):
         acceptance_from_ratio(1.5, k)
+
+
+def test_multi_outcome_rounds_reduce_to_naive_overlap_and_grow_with_coverage() -> None:
+    from proxy.bench.costmodel import (
+        expected_tokens_per_round,
+        multi_outcome_ceiling,
+        multi_outcome_round_ms,
+        overlap_round_ms,
+    )
+
+    a, k, t_v, t_d, resync = 0.8, 4, 93.0, 11.0, 11.0
+    # one line whose k + 1 tokens fit under the verification: naive overlap
+    assert multi_outcome_round_ms(a, k, t_v, t_d, resync, 1, 0.5) == pytest.approx(
+        overlap_round_ms(a, k, t_v, t_d, resync)
+    )
+    # every rejection point covered and every correction the runner-up: only a wrong
+    # guess of the bonus token after an all-accepted round (a^k (1 - a)) drafts afresh
+    assert multi_outcome_round_ms(a, k, t_v, t_d, resync, k + 1, 1.0) == pytest.approx(
+        t_v + a**k * (1 - a) * (resync + k * t_d)
+    )
+    rounds = {n: t_v for n in range(1, 8)}
+    speeds = [
+        multi_outcome_ceiling(a, rounds, t_d, resync, lines, 0.5).tokens_per_s
+        for lines in (1, 2, 3, 5)
+    ]
+    assert speeds == sorted(speeds) and speeds[-1] > speeds[0]
+    # a batch that costs far more than one sequence is paid where it does not fit
+    dear = multi_outcome_round_ms(a, k, t_v, t_d, resync, 3, 0.5, batch_cost=4.0)
+    assert dear > multi_outcome_round_ms(a, k, t_v, t_d, resync, 3, 0.5)
+    free = 1e3 * expected_tokens_per_round(a, 7) / t_v
+    assert speeds[-1] < free
