@@ -51,19 +51,23 @@ async def forward(
     drop = _DROP_REQUEST | _CLIENT_AUTH if replace_auth else _DROP_REQUEST
     headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
     url = upstream.base_url + request.rel_url.raw_path_qs
-    try:
-        upstream_response = await upstream.session.request(
-            request.method,
-            url,
-            headers=headers,
-            data=body if body else None,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=upstream.timeouts.connect, sock_read=read_timeout_s
-            ),
-            allow_redirects=False,
-        )
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        return _unreachable(request, upstream, exc)
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=upstream.timeouts.connect, sock_read=read_timeout_s
+    )
+    for attempt in (1, 2):
+        try:
+            upstream_response = await upstream.session.request(
+                request.method, url, headers=headers, data=body if body else None,
+                timeout=timeout, allow_redirects=False,
+            )  # fmt: skip
+            break
+        except aiohttp.ServerDisconnectedError as exc:
+            # closed before any answer: a pooled keep-alive connection the server had
+            # just dropped (as UpstreamClient._send); nothing was relayed yet, so once more
+            if attempt == 2:
+                return _unreachable(request, upstream, exc)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return _unreachable(request, upstream, exc)
     async with upstream_response:
         response = _mirrored_head(upstream_response)
         await response.prepare(request)

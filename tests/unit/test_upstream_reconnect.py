@@ -51,3 +51,32 @@ async def test_a_dropped_connection_is_sent_again_once(drops: int, answered: boo
                 await upstream.tokenize("hi")
             assert failure.value.status == 502
     assert seen == ["/tokenize"] * min(drops + 1, 2)
+
+
+@pytest.mark.parametrize("drops, status", [(1, 200), (2, 502)])
+async def test_a_passed_through_request_on_a_dropped_connection_is_sent_again_once(
+    drops: int, status: int
+) -> None:
+    """Pass-through too: while plain decoding is the measured choice most requests take
+    it, and a pooled connection the server dropped must not become a 502."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from proxy.api.passthrough import forward
+
+    server, seen = await _server(drops)
+    port = server.sockets[0].getsockname()[1]
+    async with server, UpstreamClient(f"http://127.0.0.1:{port}") as upstream:
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await forward(request, upstream)
+
+        app = web.Application()
+        app.router.add_post("/tokenize", handler)
+        async with TestClient(TestServer(app)) as client:
+            response = await client.post("/tokenize", json={"content": "hi"})
+            assert response.status == status
+            if status == 200:
+                assert await response.read() == REPLY
+                assert response.headers["X-Npu-Spec"] == "passthrough"
+    assert seen == ["/tokenize"] * 2
