@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from npu_draft.protocol import CancelToken
-from proxy.drafting import AsyncDrafter, DrafterBase, GreedyDraft, StopRule
+from proxy.engine.drafting import AsyncDrafter, DrafterBase, GreedyDraft, StopRule
 
 log = logging.getLogger(__name__)
 

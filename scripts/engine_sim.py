@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from npu_draft.oracle import OracleConfig, OracleDraftModel
 from proxy.engine import AsyncSessionDrafter, EngineSettings, Generation, GenerationParams
+from proxy.engine.server_text import PieceCache
 from proxy.policies import DraftLengthPolicy, OverlapPolicy, Policies
 from proxy.server.upstream import VerifyResult
-from proxy.server_text import PieceCache
 
 
 @dataclass

@@ -41,11 +41,11 @@ from proxy.engine import (
     GenerationResult,
     SlotReplicator,
 )
+from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.metrics import ProxyMetrics
 from proxy.policies import DraftLengthPolicy, OverlapPolicy, PlainRunGate, Policies
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
 from proxy.server.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
-from proxy.server_text import PieceCache, TokenEvent
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count(1)

@@ -23,7 +23,7 @@ from proxy.api.shapes import (
 )
 from proxy.api.tool_calls import fallback_events
 from proxy.engine import GenerationResult
-from proxy.server_text import TokenEvent
+from proxy.engine.server_text import TokenEvent
 
 Chunk = dict[str, Any]
 

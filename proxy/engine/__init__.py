@@ -11,8 +11,8 @@
 The measured choices (draft length, drafting ahead, plain runs) are `proxy.policies`.
 """
 
-from proxy.drafting import AsyncDrafter, AsyncSessionDrafter
 from proxy.engine.decode_check import DecodeCountError
+from proxy.engine.drafting import AsyncDrafter, AsyncSessionDrafter
 from proxy.engine.generation import Generation
 from proxy.engine.records import GenerationResult, RoundObserver, RoundRecord
 from proxy.engine.rules import verdict_of

@@ -5,7 +5,7 @@ request parameters it can honour losslessly (n_predict, stop strings, and in
 sampling mode temperature/top_k/top_p/min_p/seed), and yields one `TokenEvent` per
 generated token exactly as llama-server's `process_token` would emit it, then a
 `GenerationResult`. The server's text bookkeeping (UTF-8 hold-back, stop strings,
-limits) is mirrored in `proxy.server_text`.
+limits) is mirrored in `proxy.engine.server_text`.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from proxy.drafting import AsyncDrafter
 from proxy.engine.decode_check import DecodeCounter
 from proxy.engine.draft_source import DraftSource
+from proxy.engine.drafting import AsyncDrafter
 from proxy.engine.loop_state import LoopState
 from proxy.engine.records import GenerationResult, RoundObserver
 from proxy.engine.rounds import Rounds
 from proxy.engine.rules import rule_for
+from proxy.engine.server_text import PieceCache, ServerTextState, TokenEvent
 from proxy.engine.settings import EngineSettings, GenerationParams
 from proxy.engine.slot_copies import SlotCopies, SlotReplicator
 from proxy.policies import Policies
 from proxy.server.upstream import UpstreamClient
-from proxy.server_text import PieceCache, ServerTextState, TokenEvent
 
 
 class Generation:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from proxy.engine.records import RoundRecord
-from proxy.server_text import ServerTextState
+from proxy.engine.server_text import ServerTextState
 
 
 @dataclass

@@ -7,17 +7,17 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from proxy.acceptance import Acceptance, SampledAcceptance
-from proxy.drafting import GreedyDraft
+from proxy.engine.acceptance import Acceptance, SampledAcceptance
 from proxy.engine.decode_check import DecodeCounter
 from proxy.engine.draft_source import DraftSource
+from proxy.engine.drafting import GreedyDraft
 from proxy.engine.loop_state import LoopState
 from proxy.engine.records import RoundObserver, RoundRecord
 from proxy.engine.rules import Dists, Rule
+from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.engine.slot_copies import FirstRound, SlotCopies
 from proxy.policies import Policies
 from proxy.server.upstream import PlainRun, UpstreamClient, VerifyResult
-from proxy.server_text import PieceCache, TokenEvent
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from npu_draft.protocol import SparseDist
-from proxy.acceptance import (
+from proxy.engine.acceptance import (
     Acceptance,
     RngChooser,
     Verdict,
@@ -23,9 +23,9 @@ from proxy.acceptance import (
     speculative_sample,
 )
 from proxy.engine.draft_source import DraftOutcome, DraftSource
+from proxy.engine.server_text import PieceCache, valid_utf8_prefix
 from proxy.policies import Policies
 from proxy.server.upstream import PlainRun, SamplingSpec, UpstreamClient, VerifyResult
-from proxy.server_text import PieceCache, valid_utf8_prefix
 
 Dists = list[SparseDist | None] | None  # q per draft token in sampling mode
 _RANDOM_SEED = 0xFFFFFFFF  # the server's "random seed"; the proxy's draws stay below it

@@ -13,10 +13,10 @@ import aiohttp
 
 from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP, top2_gap
 from proxy.config import ProxySettings
-from proxy.drafting import AsyncDrafter, DrafterBase, GreedyDraft, StopRule
 from proxy.engine import Generation, GenerationParams, GenerationResult, RoundRecord
+from proxy.engine.drafting import AsyncDrafter, DrafterBase, GreedyDraft, StopRule
+from proxy.engine.server_text import PieceCache
 from proxy.server.upstream import UpstreamClient
-from proxy.server_text import PieceCache
 
 # Test proxies wait as long as their tests do: no queue bound, no limit on a passed-through
 # answer's silence (the CLI always sets both; tests that check a bound give one).

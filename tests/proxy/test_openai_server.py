@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from proxy.api import ProxyState, create_app
-from proxy.drafting import DrafterBase
+from proxy.engine.drafting import DrafterBase
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SlotScheduler
 from proxy.server.upstream import UpstreamClient

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from npu_draft.protocol import GREEDY, CancelToken, Draft, SamplingParams, SyncStats
-from proxy.drafting import AsyncSessionDrafter, always
 from proxy.engine import RoundRecord
+from proxy.engine.drafting import AsyncSessionDrafter, always
 from proxy.policies import DraftLengthPolicy, OverlapPolicy
 
 
@@ -453,7 +453,7 @@ class ScriptSession(CountingSession):
 
 async def _run_engine(early: bool, overlap: bool, consumer_sleep_s: float = 0.0):
     from proxy.engine import EngineSettings, Generation, GenerationParams
-    from proxy.server_text import PieceCache
+    from proxy.engine.server_text import PieceCache
     from tests.proxy.test_units import FakeUpstream
 
     script = list(range(100, 140))
@@ -584,8 +584,8 @@ async def test_round_timeline_adds_up_and_sees_the_drafter_work_during_verificat
     idles through every verification; with it (4 tokens = 32 ms to draft ahead) it is
     busy for nearly all of it. The server's idle gap holds the round's draft wait."""
     from proxy.engine import EngineSettings, Generation, GenerationParams
+    from proxy.engine.server_text import PieceCache
     from proxy.metrics import ProxyMetrics
-    from proxy.server_text import PieceCache
     from tests.proxy.test_units import FakeUpstream
 
     class SlowUpstream(FakeUpstream):

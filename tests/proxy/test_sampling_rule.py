@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from npu_draft.protocol import SparseDist
-from proxy.acceptance import (
+from proxy.engine.acceptance import (
     RngChooser,
     Verdict,
     acceptance_probability,
@@ -256,7 +256,7 @@ def test_generation_has_exactly_the_targets_distribution(k, server):
 def test_enumeration_catches_a_biased_rule(monkeypatch):
     """The exact check is sharp: using the full p at position 0 (ignoring that a
     partial-UTF-8 draw by the server hides the probabilities) is caught."""
-    import proxy.acceptance as acceptance
+    import proxy.engine.acceptance as acceptance
 
     monkeypatch.setattr(acceptance, "without", lambda d, excluded: d)
     got = enumerate_outcomes(lambda chooser: generate(chooser, 2, 2, "independent"))

@@ -7,17 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from proxy.acceptance import greedy_accept
 from proxy.api.requests import NotEligible, parse_chat, parse_completion, parse_prompt
 from proxy.api.shapes import split_reasoning, thinking_prefix
 from proxy.config import ProxySettings, load_settings
-from proxy.drafting import DrafterBase
 from proxy.engine import EngineSettings, Generation, GenerationParams
+from proxy.engine.acceptance import greedy_accept
+from proxy.engine.drafting import DrafterBase
+from proxy.engine.server_text import (
+    PieceCache,
+    ServerTextState,
+    find_partial_stop,
+    valid_utf8_prefix,
+)
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SchedulerBusy, SlotScheduler
 from proxy.server.managed import ServerLayout, verification_flags
 from proxy.server.upstream import VerifyResult, parse_prometheus
-from proxy.server_text import PieceCache, ServerTextState, find_partial_stop, valid_utf8_prefix
 
 # -- acceptance ----------------------------------------------------------------------
 
@@ -425,7 +430,7 @@ async def test_replication_failure_only_costs_speed():
     ],
 )
 def test_server_utf8_prefix_follows_llama_servers_validate_utf8(data: bytes, kept: int) -> None:
-    from proxy.server_text import server_utf8_prefix
+    from proxy.engine.server_text import server_utf8_prefix
 
     assert server_utf8_prefix(data) == kept
 

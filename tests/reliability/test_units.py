@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api import ProxyState, create_app
 from proxy.drafter_guard import DrafterSupervisor
-from proxy.drafting import DrafterBase
+from proxy.engine.drafting import DrafterBase
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SlotScheduler
 from proxy.serve_cmd import redact_url

@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.api import ProxyState, build_state, create_app
-from proxy.drafting import DrafterBase
+from proxy.engine.drafting import DrafterBase
 from proxy.server.llama_server import free_port
 from proxy.server.upstream import Timeouts, UpstreamClient
 from tests.proxy.helpers import split_options

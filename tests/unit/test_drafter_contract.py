@@ -10,7 +10,7 @@ import pytest
 
 from npu_draft.protocol import CancelToken
 from proxy.drafter_guard import DrafterSupervisor, GuardedDrafter
-from proxy.drafting import AsyncDrafter, AsyncSessionDrafter, DrafterBase, always
+from proxy.engine.drafting import AsyncDrafter, AsyncSessionDrafter, DrafterBase, always
 
 CALLS = ("propose", "draft", "extend", "propose_sampled", "close")
 FLAGS = ("early_draft", "draft_ahead")

@@ -109,7 +109,7 @@ def test_run_tokens_must_be_positive():
 
 
 def test_align_pieces_control_tokens_and_partial_tail():
-    from proxy.server_text import align_pieces
+    from proxy.engine.server_text import align_pieces
 
     assert align_pieces([b"Hel", b"lo"], "Hello") == [b"Hel", b"lo"]
     # a control token in the middle and an EOG at the end render as nothing
@@ -125,7 +125,7 @@ def test_align_pieces_control_tokens_and_partial_tail():
 
 
 def test_align_pieces_with_invalid_bytes_inside_the_text():
-    from proxy.server_text import align_pieces
+    from proxy.engine.server_text import align_pieces
 
     # a lone partial character followed by ASCII: the server writes U+FFFD in the middle
     pieces = [b" ", b"\xe1\xba", b"_over", b"lap", b"<|im_end|>"]
