@@ -25,7 +25,13 @@ _UNBOUNDED_IN_TESTS = {"max_queue": None, "passthrough_read_timeout_s": None}
 
 def proxy_settings(upstream_url: str, k: int, **overrides: Any) -> ProxySettings:
     """The settings of an in-process test proxy attached to `upstream_url`: the CLI's
-    defaults, `overrides` (validated), and no bounds on waiting unless given."""
+    defaults, `overrides` (validated), and no bounds on waiting unless given.
+
+    Plain runs are off unless a test asks for them: the engine then answers every
+    request. With the CLI's `auto`, the tiny test model decodes so fast that the gate may
+    measure the numpy drafter as too slow to win and pass later requests through whole,
+    depending on the machine's speed (tests/proxy/test_plain_runs_server.py tests that)."""
+    overrides.setdefault("plain_runs", "off")
     settings = ProxySettings(upstream=upstream_url, k=k, **overrides)
     unbounded = {name: v for name, v in _UNBOUNDED_IN_TESTS.items() if name not in overrides}
     return settings.model_copy(update=unbounded)

@@ -62,7 +62,9 @@ async def test_gate_picks_plain_runs_when_drafts_are_never_accepted(
     prompt = await tokenize(http, ref_server, body["prompt"])
     # An unrelated draft commits one token per verify round, which costs more than
     # one plain step: the gate must switch and stay switched.
-    async with run_proxy(spec_server, drafter_for("reference:unrelated"), 4) as proxy:
+    async with run_proxy(
+        spec_server, drafter_for("reference:unrelated"), 4, plain_runs="auto"
+    ) as proxy:
         with caplog.at_level(logging.INFO, logger="proxy.policies.plain_runs"):
             status, got, headers = await proxy.post("/completion", body)
         assert status == 200, got
@@ -160,7 +162,9 @@ async def test_sampling_plain_run_is_the_servers_own_draw_with_the_request_chain
 async def test_unseeded_sampling_switches_to_plain_runs_seeded_never_does(spec_server, drafter_for):
     body = {"prompt": "Once upon a time", "n_predict": 80, "temperature": 0.8, "top_k": 10,
             "top_p": 1.0, "min_p": 0.0, "return_tokens": True}  # fmt: skip
-    async with run_proxy(spec_server, drafter_for("reference:unrelated"), 3) as proxy:
+    async with run_proxy(
+        spec_server, drafter_for("reference:unrelated"), 3, plain_runs="auto"
+    ) as proxy:
         status, got, _ = await proxy.post("/completion", {**body, "seed": 5})
         assert status == 200, got
         assert proxy.state.metrics.plain_runs == 0  # seeded: reproducible, always speculates
