@@ -21,6 +21,7 @@ The taking-turns model is checked against the seed's measured NPU rows first.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from dataclasses import dataclass
@@ -113,10 +114,7 @@ def prediction_lines(
         "|---|---|---|---|---|---|---|---|",
     ]
     for target in SEED:
-        values = acceptance or [
-            statistics.median(acceptance_from_ratio(r, k) for k, _, _, r in target.npu_rows)
-        ]
-        for a in values:
+        for a in _acceptances(target, acceptance):
             cells = []
             for plain in target.plain_tok_s:
                 rounds = one_step_round_ms(1e3 / plain)
@@ -144,6 +142,14 @@ def prediction_lines(
     return lines
 
 
+def _acceptances(target: SeedTarget, given: list[float] | None) -> list[float]:
+    """The acceptances to predict at: the given ones, else the median a solved from
+    the seed's NPU rows."""
+    return given or [
+        statistics.median(acceptance_from_ratio(r, k) for k, _, _, r in target.npu_rows)
+    ]
+
+
 def outcome_lines(
     efficiency: float, acceptance: list[float] | None, draft_ms: float, resync_ms: float
 ) -> list[str]:
@@ -157,28 +163,28 @@ def outcome_lines(
         "|---|---|---|---|---|---|---|",
     ]
     for target in SEED:
-        values = acceptance or [
-            statistics.median(acceptance_from_ratio(r, k) for k, _, _, r in target.npu_rows)
-        ]
-        for a in values:
-            for hits in RUNNER_UP_HITS:
-                for cost in NPU_BATCH_COST:
-                    speeds = []
-                    for plain in target.plain_tok_s:
-                        ceiling = multi_outcome_ceiling(
-                            a, one_step_round_ms(1e3 / plain), draft_ms, resync_ms,
-                            OUTCOME_LINES, hits, cost,
-                        )  # fmt: skip
-                        assert ceiling is not None
-                        speeds.append(ceiling)
-                    low, high = speeds[0].tokens_per_s, speeds[-1].tokens_per_s
-                    lines.append(
-                        f"| {target.name} | {a:.2f} | {hits:g} | {cost:g}x "
-                        f"| {low:.1f}-{high:.1f} ({speeds[-1].k}) "
-                        f"| {efficiency * low:.1f}-{efficiency * high:.1f} "
-                        f"| {efficiency * low / target.builtin_tok_s:.2f}-"
-                        f"{efficiency * high / target.builtin_tok_s:.2f}x |"
-                    )
+        grid = itertools.product(_acceptances(target, acceptance), RUNNER_UP_HITS, NPU_BATCH_COST)
+        for a, hits, cost in grid:
+            low, high = (
+                multi_outcome_ceiling(
+                    a,
+                    one_step_round_ms(1e3 / plain),
+                    draft_ms,
+                    resync_ms,
+                    OUTCOME_LINES,
+                    hits,
+                    cost,
+                )
+                for plain in (target.plain_tok_s[0], target.plain_tok_s[-1])
+            )
+            assert low is not None and high is not None
+            slow, fast = efficiency * low.tokens_per_s, efficiency * high.tokens_per_s
+            lines.append(
+                f"| {target.name} | {a:.2f} | {hits:g} | {cost:g}x "
+                f"| {low.tokens_per_s:.1f}-{high.tokens_per_s:.1f} ({high.k}) "
+                f"| {slow:.1f}-{fast:.1f} "
+                f"| {slow / target.builtin_tok_s:.2f}-{fast / target.builtin_tok_s:.2f}x |"
+            )
     return lines
 
 
