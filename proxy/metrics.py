@@ -62,6 +62,8 @@ class ProxyMetrics:
         self.plain_run_tokens = 0
         self.draft_ms = Histogram(MS_BUCKETS)
         self.verify_ms = Histogram(MS_BUCKETS)
+        self.server_ms = Histogram(MS_BUCKETS)  # llama-server's own share of verify_ms
+        self.verify_prompt_tokens = 0
         self.overhead_ms = Histogram(MS_BUCKETS)
         self.server_idle_ms = Histogram(MS_BUCKETS)  # the round timeline's two idle gaps
         self.drafter_idle_ms = Histogram(MS_BUCKETS)
@@ -86,6 +88,8 @@ class ProxyMetrics:
             self.sampled_matched_tokens += record.n_matched
         self.draft_ms.observe(record.draft_ms)
         self.verify_ms.observe(record.verify_ms)
+        self.server_ms.observe(record.server_ms)
+        self.verify_prompt_tokens += record.server_prompt_tokens
         self.overhead_ms.observe(record.overhead_ms)
         self.server_idle_ms.observe(record.server_idle_ms)
         self.drafter_idle_ms.observe(record.drafter_idle_ms)
@@ -180,6 +184,12 @@ COUNTERS = (
         "drafter_failures",
     ),
     (
+        "npu_spec_verify_prompt_tokens_total",
+        "Prompt tokens llama-server's slots ingested for verify rounds (draft prefixes "
+        "and what each slot lagged behind)",
+        "verify_prompt_tokens",
+    ),
+    (
         "npu_spec_decode_check_failures_total",
         "Checked rounds where llama-server did not decode exactly once",
         "decode_check_failures",
@@ -193,6 +203,12 @@ HISTOGRAMS = (
         "draft_ms",
     ),
     ("npu_spec_verify_ms", "Verify request time per round (ms)", "verify_ms"),
+    (
+        "npu_spec_server_ms",
+        "llama-server's own time per verify round (ms, its slot timings): the rest of "
+        "npu_spec_verify_ms is HTTP, JSON and task handling",
+        "server_ms",
+    ),
     (
         "npu_spec_overhead_ms",
         "Proxy time per round outside drafting and verifying (ms)",

@@ -10,7 +10,8 @@ COLUMNS = [
     ("t_d ms", 6),
     ("TTFT ms", 8), ("plain run", 9), ("accept", 6), ("acc/rnd", 7), ("k/rnd", 5), ("a iid", 5),
     ("accept by position", 24),
-    ("draft/verify/ovh ms", 20), ("dec/rnd", 7), ("pred turns|ovl", 15), ("meas/pred", 9),
+    ("draft/verify/ovh ms", 20), ("srv ms", 6), ("tok in", 6), ("dec/rnd", 7),
+    ("pred turns|ovl", 15), ("meas/pred", 9),
     ("RSS MB srv+proxy", 16), ("GPU MB", 7), ("=plain", 7),
 ]  # fmt: skip
 
@@ -68,6 +69,8 @@ def _row(entry: dict[str, Any]) -> list[str]:
         _f(s.get("acceptance_iid"), 2),
         positions or "-",
         split,
+        _f(s.get("server_ms_per_round")),
+        _f(s.get("verify_prompt_tokens_per_round")),
         _f(s.get("decodes_per_round"), 2),
         pred,
         _f(s.get("measured_over_predicted"), 2),

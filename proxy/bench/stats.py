@@ -58,6 +58,8 @@ def _proxy_counters(d: dict[str, float]) -> dict[str, Any]:
         "draft_ms": d.get("npu_spec_draft_ms_sum", 0.0),
         "verify_ms": d.get("npu_spec_verify_ms_sum", 0.0),
         "overhead_ms": d.get("npu_spec_overhead_ms_sum", 0.0),
+        "server_ms": d.get("npu_spec_server_ms_sum", 0.0),
+        "prompt_tokens": round(d.get("npu_spec_verify_prompt_tokens_total", 0)),
         # verify rounds only: a plain run decodes once per token it generates
         "decodes": round(d.get(DECODES, 0) - d.get("npu_spec_plain_run_tokens_total", 0)),
         "plain_run_tokens": round(d.get("npu_spec_plain_run_tokens_total", 0)),
@@ -83,6 +85,8 @@ def request_stats(
                 "draft_ms",
                 "verify_ms",
                 "overhead_ms",
+                "server_ms",
+                "prompt_tokens",
                 "decodes",
             )
         }
@@ -230,6 +234,8 @@ def _steady_totals(runs: list[dict[str, Any]]) -> dict[str, float]:
     if totals["rounds"]:
         for key in ("drafted", "draft_ms", "verify_ms", "overhead_ms", "decodes"):
             totals[key] = sum(s[key] for s in steady)
+        for key in ("server_ms", "prompt_tokens"):  # absent from older result files
+            totals[key] = sum(s.get(key, 0) for s in steady)
         totals["drafted_ahead"] = sum(s.get("drafted_ahead", 0) for s in steady)
     return totals
 
@@ -245,6 +251,9 @@ def _round_costs(
         "draft_ms_per_round": steady["draft_ms"] / n,
         "verify_ms_per_round": steady["verify_ms"] / n,
         "overhead_ms_per_round": steady["overhead_ms"] / n,
+        # inside verify_ms_per_round: llama-server's own time, and the tokens it ingested
+        "server_ms_per_round": steady["server_ms"] / n,
+        "verify_prompt_tokens_per_round": steady["prompt_tokens"] / n,
         "draft_ms_per_token": _ratio(steady["draft_ms"], steady["drafted"]),
         # per token drafted while the round waited: drafts that were ready from drafting
         # ahead cost the round (almost) nothing, so they would dilute the drafter's cost

@@ -73,9 +73,8 @@ PARTS = ("a", "b", "c", "d", "e")
 DECODES = "llamacpp:n_decode_total"
 PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
-# What the proxy asks back per result, plus the server's own timings of the round.
-TIMING_FIELDS = ["timings/prompt_n", "timings/prompt_ms", "timings/predicted_ms"]
-ROUND_FIELDS = [*VERIFY_FIELDS, *TIMING_FIELDS]
+# What the proxy asks back per result; it holds the server's own timings of the round.
+ROUND_FIELDS = VERIFY_FIELDS
 
 
 @dataclass

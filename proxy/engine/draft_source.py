@@ -47,6 +47,9 @@ class DraftSource:
         # the next round's draft, started when the verify result came back: (the
         # committed sequence it drafts after, its length, its fresh length, the task)
         self._early: tuple[list[int], int, int, asyncio.Task[DraftOutcome]] | None = None
+        # a draft made only to time the drafter (`start_timing`), while the server
+        # decodes alone
+        self._timing: asyncio.Task[DraftOutcome] | None = None
 
     @property
     def available(self) -> bool:
@@ -88,6 +91,9 @@ class DraftSource:
             return GreedyDraft(), None, 0.0
         started = time.perf_counter()
         await self.stop_ahead()
+        await self._end_timing()
+        if self.drafter is None:  # the timing draft failed
+            return GreedyDraft(), None, (time.perf_counter() - started) * 1e3
         try:
             draft, dists = await propose(self.drafter)
         except asyncio.CancelledError:
@@ -123,6 +129,36 @@ class DraftSource:
             return await self.draft(committed, k, k_fresh=k_fresh)
         drafted.tokens, drafted.probs = drafted.tokens[:k], drafted.probs[:k]
         return drafted, dists, (time.perf_counter() - started) * 1e3
+
+    def start_timing(self, committed: list[int], k: int) -> None:
+        """Draft k tokens after `committed` only to learn the drafter's speed (its own ms
+        per drafted token), in the background: the server decodes alone meanwhile, and
+        the draft session keeps the prompt it took in for later rounds."""
+        if k <= 0 or self.drafter is None or self._timing is not None:
+            return
+        self._timing = asyncio.create_task(self.draft(committed, k))
+
+    @property
+    def timing(self) -> bool:
+        """A timing draft is running or its result was not taken yet."""
+        return self._timing is not None
+
+    def timing_result(self) -> GreedyDraft | None:
+        """The timing draft, once it is done (taken once); None while it runs."""
+        task = self._timing
+        if task is None or not task.done():
+            return None
+        self._timing = None
+        if task.cancelled() or task.exception() is not None:
+            return None
+        return task.result()[0]
+
+    async def _end_timing(self) -> None:
+        """Wait for a running timing draft: one draft at a time on the session. Its
+        result stays for `timing_result`."""
+        task = self._timing
+        if task is not None and not task.done() and asyncio.current_task() is not task:
+            await asyncio.gather(task, return_exceptions=True)
 
     def start_ahead(self, n_tokens: Callable[[], int]) -> None:
         """While the server verifies, keep drafting the line as if all is accepted:
@@ -168,6 +204,10 @@ class DraftSource:
         if early is not None:
             early[3].cancel()
             await asyncio.gather(early[3], return_exceptions=True)
+        timing, self._timing = self._timing, None
+        if timing is not None:
+            timing.cancel()
+            await asyncio.gather(timing, return_exceptions=True)
         await self.stop_ahead()
         if self.drafter is not None:
             await _close_quietly(self.drafter)

@@ -31,6 +31,11 @@ class RoundRecord:
     server_idle_ms: float = 0.0
     # the drafter had nothing to do while the server verified (not drafting ahead)
     drafter_idle_ms: float = 0.0
+    # inside verify_ms: the server's own time for the batch (its slowest slot's prompt +
+    # predicted ms; the rest is HTTP, JSON and task handling on both sides), and the
+    # prompt tokens its slots ingested (the draft triangle plus what each slot lagged by)
+    server_ms: float = 0.0
+    server_prompt_tokens: int = 0
     # What the policies learn from (proxy.policies):
     round_ms: float = 0.0  # the whole round, wall time
     # the round's other slots caught up on plain-run tokens (or on the prompt, where the

@@ -86,11 +86,16 @@ class Rounds:
         """The server decodes up to n tokens alone, in one request."""
         loop.awaiting_overlap = None
         await self.drafts.stop_ahead()  # its line would be stale after the run
+        context = self.prompt + loop.text.tokens
+        if self.policies.wants_drafter_speed():
+            # the drafter is idle while the server decodes alone: time it now
+            self.drafts.start_timing(context, self.k_max)
         sent = time.perf_counter()
-        run = await self.rule.plain_run(self.upstream, self.prompt + loop.text.tokens, n)
+        run = await self.rule.plain_run(self.upstream, context, n)
         back = time.perf_counter()
         run_ms = (back - sent) * 1e3
         events = await self._run_events(loop, run)
+        timed = self.drafts.timing_result()
         record = RoundRecord(
             n_drafted=0,
             n_accepted=0,
@@ -104,6 +109,8 @@ class Rounds:
             verify_back_ms=(back - started) * 1e3,
             drafter_idle_ms=run_ms,
             n_run_tokens=len(run.tokens),
+            fresh_tokens=timed.fresh if timed else 0,
+            fresh_ms=timed.fresh_ms if timed else 0.0,
         )
         record.server_idle_ms = (started + record.verify_sent_ms / 1e3 - loop.last_back) * 1e3
         loop.last_back = started + record.verify_back_ms / 1e3
@@ -160,7 +167,8 @@ class Rounds:
             await self.slots.catch_up(loop.context_slot, loop.lag)
         loop.context_slot, loop.lag = -1, 0
         first = not loop.rounds and self.drafts.available
-        plan = self.slots.first_round(self.policies.prefers_plain()) if first else FirstRound()
+        one_slot = self.policies.prefers_plain() or self.policies.measuring_first()
+        plan = self.slots.first_round(one_slot) if first else FirstRound()
         room = loop.text.remaining()
         round_ = _Round(started, self.prompt + loop.text.tokens, room, plan)
         round_.k = max(0, min(self.k_max, room - 1)) if plan.drafts else 0
@@ -233,6 +241,8 @@ class Rounds:
             verify_back_ms=(round_.verify_back - round_.started) * 1e3,
             server_idle_ms=(round_.verify_start - loop.last_back) * 1e3,
             drafter_idle_ms=max(round_.drafter_idle_ms, 0.0),
+            server_ms=max(r.server_ms for r in round_.results),
+            server_prompt_tokens=sum(r.prompt_n for r in round_.results),
             round_ms=total_ms,
             catch_up=loop.after_run,
             draft_probs=drafted.probs,

@@ -54,10 +54,10 @@ class FirstRound:
     """How a generation's first round fills the slots."""
 
     replicate: bool = False  # prefill one slot, then copy it into the others
-    # prefill one slot and copy none: plain runs are the cheaper side, and copying a long
-    # context costs more (a slot holds the whole context's KV; docs/BENCHMARKS.md,
-    # "Measurements behind design choices") than a later probe of speculation pays to
-    # catch up the few slots it uses
+    # prefill one slot and copy none: plain runs are the cheaper side (or are measured
+    # first), and copying a long context costs more (a slot holds the whole context's
+    # KV; docs/BENCHMARKS.md, "Measurements behind design choices") than a later probe
+    # of speculation pays to catch up the few slots it uses
     one_slot: bool = False
 
     @property
@@ -81,11 +81,12 @@ class SlotCopies:
         self.n_prompt = n_prompt
         self.slots_to_copy = slots_to_copy  # the draft-length policy's measured need
 
-    def first_round(self, plain_preferred: bool) -> FirstRound:
+    def first_round(self, one_slot: bool) -> FirstRound:
         """The plan of a first round that has a drafter: one slot is prefilled (and
         copied where copying is on and the prompt long enough) unless all k+1 prefill
-        in its verify batch."""
-        if plain_preferred:
+        in its verify batch. `one_slot`: plain runs come next (chosen, or measured before
+        anything could justify copies)."""
+        if one_slot:
             return FirstRound(one_slot=True)
         replicator = self.replicator
         replicate = (

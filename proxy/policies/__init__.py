@@ -44,6 +44,14 @@ class Policies:
         """Plain runs are the measured choice right now."""
         return self.plain_runs is not None and self.plain_runs.prefers_plain()
 
+    def measuring_first(self) -> bool:
+        """The gate has measured nothing that could justify speculating yet."""
+        return self.plain_runs is not None and self.plain_runs.measuring_first()
+
+    def wants_drafter_speed(self) -> bool:
+        """The gate waits for the drafter's speed (timed beside a plain run)."""
+        return self.plain_runs is not None and self.plain_runs.wants_drafter_speed()
+
     def observe(self, record: RoundRecord) -> None:
         """A round ended: the draft-length policy and the plain-run gate learn from it."""
         if self.plain_runs is not None:

@@ -16,7 +16,9 @@ The gate compares two measured rates, pooled over recent samples:
 - plain runs: wall ms per token of recent runs (the request's HTTP and prompt
   matching included).
 
-It starts speculating, measures one plain run after a few rounds, then keeps the
+It starts with plain runs, which cost nothing against llama-server alone, while the
+drafter drafts once beside them to time itself; then it speculates for a few rounds
+(only now are the slots the rounds use filled with the context), then keeps the
 cheaper side (switching needs a `HYSTERESIS` lead) and re-measures the other side now
 and then, so a drafter that becomes worth it (another prompt, a warmer cache) wins
 back. Re-measuring speculation is the dear direction: the slots it uses must catch up
@@ -31,8 +33,9 @@ draft-length policy.
 A drafter too slow to ever win is told apart without those rounds. A round of k
 drafts takes at least one plain step and at least k of the drafter's tokens (drafting
 ahead hides drafting behind verification, it does not make it faster), and it commits
-at most k + 1 tokens; where that bound is no cheaper than plain runs, the gate measures
-one plain run as soon as the drafter's speed is known and stays with plain runs.
+at most k + 1 tokens; where that bound is no cheaper than plain runs, the gate stays
+with plain runs without a single speculative round, and no slot copy is made (at long
+contexts copies cost seconds: a slot holds the whole context's KV).
 
 While plain runs are chosen, whole requests pass through to llama-server untouched
 (its own streaming, no per-run requests); every so many requests one is served by
@@ -124,10 +127,10 @@ class PlainRunGate:
     def decide(self) -> int:
         if self.mode == "off" or self._spec_probe_left > 0:
             return 0
-        if self._plain.ms_per_token is None:  # first measurement of plain runs
-            # early where the drafter's speed is known: it may rule speculation out
-            early = self.draft_ms is not None and len(self._spec) >= 1
-            return self.run_tokens if early or len(self._spec) >= MIN_SPEC_ROUNDS else 0
+        if self.measuring_first():
+            # before any slot copy: plain runs are measured first, and the drafter's
+            # speed beside them, which may rule speculation out at no cost
+            return self.run_tokens
         if self.plain_chosen:
             if self._plain_tokens_since_probe >= self._probe_spec_after:
                 # re-measure speculation afresh: its old rounds may be long stale
@@ -145,6 +148,18 @@ class PlainRunGate:
         """Plain runs are the measured choice right now."""
         return self.mode != "off" and self.plain_chosen
 
+    def measuring_first(self) -> bool:
+        """Nothing is known yet that could justify speculating: no plain run measured,
+        or no drafter speed (it is timed while the first plain runs decode) and no
+        speculative round. A generation then fills one slot and copies none."""
+        if self.mode == "off" or self.plain_chosen:
+            return False
+        return self._plain.ms_per_token is None or (self.draft_ms is None and not self._spec)
+
+    def wants_drafter_speed(self) -> bool:
+        """The gate waits for the drafter's speed before speculating."""
+        return self.mode != "off" and self.draft_ms is None
+
     def observe(self, record: RoundRecord) -> None:
         """One round of a generation: a plain run, or a speculative round that measures
         speculation (steady) or that catches the slots up on the runs' tokens (the first
@@ -152,6 +167,8 @@ class PlainRunGate:
         speculative round the drafter's own speed, which tells a drafter too slow to win
         apart."""
         if record.plain_run:
+            if record.fresh_tokens > 0:  # the drafter timed beside the run
+                self._observe_drafter(record.fresh_ms / record.fresh_tokens)
             self._observe_run(record.verify_ms, record.n_run_tokens)
             return
         if record.catch_up:

@@ -19,8 +19,12 @@ import aiohttp
 from npu_draft.protocol import SamplingParams
 from proxy.server.prompt_json import ContextTextCache, verify_body_text
 
-# Keys the verify batch needs back from each result; everything else is trimmed.
-VERIFY_FIELDS = ["index", "tokens", "content", "stop_type", "timings/cache_n", "id_slot"]
+# Keys the verify batch needs back from each result; everything else is trimmed. The
+# server's own timings split a round's wall time into server compute and the rest.
+VERIFY_FIELDS = [
+    "index", "tokens", "content", "stop_type", "timings/cache_n", "id_slot",
+    "timings/prompt_n", "timings/prompt_ms", "timings/predicted_ms",
+]  # fmt: skip
 
 # The greedy sampler chain: top_k = 1 keeps only the argmax, exactly what the server
 # picks at temperature 0 with its default chain.
@@ -112,6 +116,8 @@ class VerifyResult:
     is_eog: bool  # the server stopped with stop_type "eos": an end-of-generation token
     cached: int = 0  # prompt tokens the slot reused from its cache (timings.cache_n)
     id_slot: int = -1  # the slot that served this prompt
+    prompt_n: int = 0  # prompt tokens the slot ingested for it (timings.prompt_n)
+    server_ms: float = 0.0  # the slot's prompt_ms + predicted_ms: its time inside the server
     # sampling verify only: (id, exact bytes, probability) of every candidate left after
     # the chain, best first; None when the server sent none (partial UTF-8 token)
     candidates: tuple[tuple[int, bytes, float], ...] | None = None
@@ -402,6 +408,9 @@ class UpstreamClient:
                     is_eog=result.get("stop_type") == "eos",
                     cached=int(result.get("timings/cache_n", 0)),
                     id_slot=int(result.get("id_slot", -1)),
+                    prompt_n=int(result.get("timings/prompt_n", 0)),
+                    server_ms=float(result.get("timings/prompt_ms", 0.0))
+                    + float(result.get("timings/predicted_ms", 0.0)),
                     candidates=None if sampling is None else parse_candidates(result),
                 )
             )

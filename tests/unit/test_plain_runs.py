@@ -33,8 +33,19 @@ def catch_up(round_ms: float, n_committed: int, drafter_ms: float = 0.0) -> Roun
     return steady(round_ms, n_committed, drafter_ms, catch_up=True)
 
 
-def plain_run(run_ms: float, n_tokens: int) -> RoundRecord:
-    return RoundRecord(0, 0, n_tokens, 0.0, run_ms, 0.0, plain_run=True, n_run_tokens=n_tokens)
+def plain_run(run_ms: float, n_tokens: int, drafter_ms: float = 0.0) -> RoundRecord:
+    """A plain run; with `drafter_ms`, the drafter was timed beside it (one token)."""
+    return RoundRecord(
+        0, 0, n_tokens, 0.0, run_ms, 0.0, plain_run=True, n_run_tokens=n_tokens,
+        fresh_tokens=1 if drafter_ms else 0, fresh_ms=drafter_ms,
+    )  # fmt: skip
+
+
+def begin(gate: PlainRunGate, plain_ms_per_token: float, drafter_ms: float = 2.0) -> None:
+    """What every gate does first: one plain run, with the drafter timed beside it."""
+    n = gate.run_tokens
+    assert gate.measuring_first() and gate.decide() == n
+    gate.observe(plain_run(n * plain_ms_per_token, n, drafter_ms))
 
 
 def speculate(gate: PlainRunGate, rounds: int, ms_per_token: float, tokens: int = 3) -> None:
@@ -50,23 +61,36 @@ def test_off_always_speculates():
         gate.observe(steady(100.0, 1))
 
 
-def test_first_plain_run_after_a_few_rounds_then_the_cheaper_side_wins():
+def test_a_plain_run_first_then_a_few_rounds_then_the_cheaper_side_wins():
     gate = PlainRunGate("auto", run_tokens=16)
+    begin(gate, plain_ms_per_token=10.0)
+    assert not gate.measuring_first()
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
-    assert gate.decide() == 16  # one measured plain run
-    gate.observe(plain_run(16 * 10.0, 16))
     assert gate.plain_chosen
     assert gate.decide() == 16
 
 
+def test_speculation_waits_for_the_drafter_speed():
+    """Plain runs go on until the drafter, timed beside one of them, has reported: no
+    slot is copied for speculation before that."""
+    gate = PlainRunGate("auto", run_tokens=16)
+    for _ in range(3):  # the timing draft is still running (a long prompt to take in)
+        assert gate.decide() == 16
+        gate.observe(plain_run(16 * 10.0, 16))
+        assert gate.measuring_first() and gate.wants_drafter_speed()
+    assert gate.decide() == 16
+    gate.observe(plain_run(16 * 10.0, 16, drafter_ms=2.0))
+    assert not gate.measuring_first() and not gate.wants_drafter_speed()
+    assert gate.decide() == 0
+
+
 def test_speculation_kept_when_cheaper_and_plain_re_measured_now_and_then():
     gate = PlainRunGate("auto", run_tokens=8)
-    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=5.0)
-    assert gate.decide() == 8
-    gate.observe(plain_run(8 * 10.0, 8))
+    begin(gate, plain_ms_per_token=10.0)
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=5.0, tokens=4)
     assert not gate.plain_chosen
     # no plain run again until PROBE_PLAIN_AFTER speculative tokens were committed
-    speculate(gate, PROBE_PLAIN_AFTER // 4, ms_per_token=5.0, tokens=4)
+    speculate(gate, PROBE_PLAIN_AFTER // 4 - MIN_SPEC_ROUNDS, ms_per_token=5.0, tokens=4)
     assert gate.decide() == 8
     gate.observe(plain_run(8 * 10.0, 8))
     assert not gate.plain_chosen
@@ -74,9 +98,8 @@ def test_speculation_kept_when_cheaper_and_plain_re_measured_now_and_then():
 
 def test_speculation_re_measured_while_plain_runs_win_and_can_win_back():
     gate = PlainRunGate("auto", run_tokens=16)
+    begin(gate, plain_ms_per_token=10.0)
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
-    gate.decide()
-    gate.observe(plain_run(160.0, 16))
     assert gate.plain_chosen
     runs = 0
     while gate.decide() == 16:  # plain runs until speculation is due a re-measurement
@@ -96,9 +119,8 @@ def test_speculation_re_measured_while_plain_runs_win_and_can_win_back():
 
 def test_hysteresis_keeps_the_current_side_on_a_near_draw():
     gate = PlainRunGate("auto", run_tokens=10)
+    begin(gate, plain_ms_per_token=9.7)  # 3% cheaper: not enough to switch
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=10.0)
-    gate.decide()
-    gate.observe(plain_run(10 * 9.7, 10))  # 3% cheaper: not enough to switch
     assert not gate.plain_chosen
     assert gate.switches == 0
 
@@ -136,9 +158,8 @@ def test_re_measurements_that_confirm_plain_runs_come_less_and_less_often():
     from proxy.policies.plain_runs import PROBE_SPEC_AFTER_MAX
 
     gate = PlainRunGate("auto", run_tokens=16)
+    begin(gate, plain_ms_per_token=10.0)
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
-    gate.decide()
-    gate.observe(plain_run(160.0, 16))
     gaps = []
     for _ in range(7):
         runs = 0
@@ -163,9 +184,8 @@ def test_a_dear_re_measurement_waits_until_its_cost_is_a_small_share():
     from proxy.policies.plain_runs import PROBE_BUDGET, PROBE_SPEC_AFTER_CAP
 
     gate = PlainRunGate("auto", run_tokens=16)
+    begin(gate, plain_ms_per_token=10.0)  # plain: 10 ms a token
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
-    gate.decide()
-    gate.observe(plain_run(160.0, 16))  # plain: 10 ms a token
     while gate.decide() == 16:
         gate.observe(plain_run(160.0, 16))
     gate.observe(catch_up(1500.0, 2))  # the slots catch up on the runs' tokens
@@ -188,9 +208,8 @@ def test_a_dear_re_measurement_waits_until_its_cost_is_a_small_share():
 def test_each_switch_is_logged_once_with_both_rates(caplog):
     gate = PlainRunGate("auto", run_tokens=16)
     with caplog.at_level(logging.INFO, logger="proxy.policies.plain_runs"):
+        begin(gate, plain_ms_per_token=7.0)
         speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=31.0)
-        gate.decide()
-        gate.observe(plain_run(16 * 7.0, 16))
         for _ in range(5):  # staying on plain runs says nothing more
             gate.decide()
             gate.observe(plain_run(16 * 7.0, 16))
@@ -237,14 +256,13 @@ def test_speculation_bound_follows_the_drafter_speed():
     assert speculation_bound_ms(10.0, 10.0) == pytest.approx(5.0)
 
 
-def test_a_drafter_too_slow_to_win_is_ruled_out_after_one_round():
-    """0.6B on a CPU at 22 ms a token against a 9.3 ms plain step: one round, one plain
-    run, then plain runs for good (no MIN_SPEC_ROUNDS of losing rounds)."""
+def test_a_drafter_too_slow_to_win_is_ruled_out_without_a_round():
+    """0.6B on a CPU at 22 ms a token against a 9.3 ms plain step: the first plain run,
+    with the drafter timed beside it, settles it: plain runs for good (no speculative
+    round, no slot copies)."""
     gate = PlainRunGate("auto", run_tokens=16)
-    assert gate.decide() == 0
-    gate.observe(steady(60.0, 2, drafter_ms=22.0))
-    assert gate.decide() == 16  # the plain run, measured early
-    gate.observe(plain_run(16 * 9.3, 16))
+    assert gate.decide() == 16
+    gate.observe(plain_run(16 * 9.3, 16, drafter_ms=22.0))
     assert gate.hopeless() and gate.plain_chosen
     for _ in range(100):
         if gate.decide() == 0:  # a re-measurement: its first round re-times the drafter
@@ -256,13 +274,10 @@ def test_a_drafter_too_slow_to_win_is_ruled_out_after_one_round():
 
 def test_a_fast_drafter_is_still_measured_by_its_rounds():
     gate = PlainRunGate("auto", run_tokens=16)
-    gate.decide()
-    gate.observe(steady(30.0, 3, drafter_ms=2.5))
-    assert gate.decide() == 16  # plain measured early ...
-    gate.observe(plain_run(16 * 9.3, 16))
+    begin(gate, plain_ms_per_token=9.3, drafter_ms=2.5)  # plain measured first ...
     assert not gate.hopeless() and not gate.plain_chosen
     # ... but the choice waits for MIN_SPEC_ROUNDS rounds of speculation
-    for _ in range(MIN_SPEC_ROUNDS - 2):
+    for _ in range(MIN_SPEC_ROUNDS - 1):
         assert gate.decide() == 0
         gate.observe(steady(3 * 12.0, 3))  # dearer than plain, yet not judged yet
         assert not gate.plain_chosen
@@ -275,10 +290,9 @@ def test_requests_pass_through_while_plain_is_chosen_with_re_measuring_ones_betw
     from proxy.policies.plain_runs import PASS_REQUESTS, PASS_REQUESTS_MAX
 
     gate = PlainRunGate("auto", run_tokens=16)
-    assert not gate.pass_through()  # nothing measured: speculate
+    assert not gate.pass_through()  # nothing measured: the engine measures
+    begin(gate, plain_ms_per_token=10.0)
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
-    gate.decide()
-    gate.observe(plain_run(160.0, 16))
     assert gate.plain_chosen
     served = [i for i in range(400) if not gate.pass_through()]
     gaps = [b - a - 1 for a, b in itertools.pairwise(served)]
