@@ -24,6 +24,13 @@ it has seen and charges position i the measured difference between lengths i and
 position is still drafted when the expected tokens of the following positions, with
 the draft's per-token probability so far, repay it. With linear costs the look-ahead
 changes nothing (each later position gains less and costs the same).
+
+The formula only knows the verify time of lengths it has sent. Extrapolating with a
+prior slope misjudges where verification grows faster than that (on a CPU every
+prompt token costs; the k+1-prompt batch grows as k^2), and a policy that always sends
+one length never learns the others. So once the first rounds are measured, the policy
+sends each length a few times (`_SWEEP_SAMPLES`), and later, every `_EXPLORE_EVERY`
+rounds, one round one draft longer or shorter than its choice.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ _MIN_LENGTH_SAMPLES = 3  # rounds of one draft length before its mean verify tim
 
 
 _ACCEPT_ALPHA = 0.05  # the formula's acceptance: E(k) is steep in a, so average longer
+_SWEEP_SAMPLES = 2  # rounds each length is sent once the first rounds are measured
+_EXPLORE_EVERY = 16  # then one round beside the choice every so many rounds
 
 
 def _ema(old: float | None, new: float, alpha: float = _ALPHA) -> float:
@@ -96,7 +105,27 @@ class DraftLengthPolicy:
     def decide(self, ahead: bool) -> tuple[int, int]:
         """(the most drafts the next round should send, the most where it drafts them
         fresh), for rounds that draft ahead or not."""
+        explored = self.exploring(ahead)
+        if explored is not None:
+            return explored, explored
         return self.length(ahead), self.fresh_length(ahead)
+
+    def exploring(self, ahead: bool) -> int | None:
+        """A length to measure instead of the formula's choice this round: each length
+        `_SWEEP_SAMPLES` times after the first rounds (the longest first), then every
+        `_EXPLORE_EVERY` rounds one draft longer or shorter than the choice, in turn."""
+        if not self.adaptive or self.rule not in _FORMULA_RULES or self.rounds < _MIN_ROUNDS:
+            return None
+        if self.rounds < _MIN_ROUNDS + _SWEEP_SAMPLES * self.k_max:
+            for n in range(self.k_max, 0, -1):
+                if self._by_length.get(n, (0.0, 0))[1] < _SWEEP_SAMPLES:
+                    return n
+        if self.rounds % _EXPLORE_EVERY:
+            return None
+        chosen = self.length(ahead)
+        step = 1 if (self.rounds // _EXPLORE_EVERY) % 2 else -1
+        neighbour = chosen + step if 1 <= chosen + step <= self.k_max else chosen - step
+        return min(max(neighbour, 1), self.k_max)
 
     def length(self, ahead: bool) -> int:
         """The most drafts the next round should send: k_max until measured, or in

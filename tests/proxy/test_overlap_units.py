@@ -624,3 +624,54 @@ async def test_round_timeline_adds_up_and_sees_the_drafter_work_during_verificat
         assert "npu_spec_server_idle_ms_sum" in metrics.render()
     assert idle[False] == pytest.approx(1.0)
     assert idle[True] < 0.2
+
+
+# -- measuring the lengths the formula has not sent ----------------------------------
+
+# verify ms per k where every prompt token costs (a CPU): the k+1-prompt batch grows as
+# k^2, much faster than the prior slope of 1 ms per draft
+STEEP = {1: 10.0, 2: 12.0, 3: 17.0, 4: 23.0, 5: 30.0, 6: 38.0}
+
+
+def play(
+    policy: DraftLengthPolicy, rounds: int, verify_ms: dict[int, float], a: float
+) -> list[int]:
+    """Rounds at the lengths the policy asks for, accepted at rate a (alternating full
+    and one-short acceptances that give S / (S + F) = a over a pair), free drafting."""
+    sent = []
+    for i in range(rounds):
+        k, _fresh = policy.decide(True)
+        sent.append(k)
+        accepted = k if i % 2 else max(k - 1, 0)
+        policy.observe(
+            steady_round([1.0] * k, accepted, accepted + 1, 0.0, verify_ms[k], verify_ms[k],
+                         fresh_tokens=k, fresh_ms=0.0, resynced=True)
+        )  # fmt: skip
+    return sent
+
+
+def test_the_formula_sweeps_every_length_then_explores_beside_its_choice():
+    from proxy.policies.draft_length import _EXPLORE_EVERY, _MIN_ROUNDS, _SWEEP_SAMPLES
+
+    policy = DraftLengthPolicy(6)
+    sent = play(policy, 80, STEEP, 0.77)
+    assert sent[:_MIN_ROUNDS] == [6] * _MIN_ROUNDS  # nothing measured: every draft
+    sweep = sent[_MIN_ROUNDS : _MIN_ROUNDS + _SWEEP_SAMPLES * 6]
+    assert all(sweep.count(n) >= _SWEEP_SAMPLES for n in range(1, 6))
+    # measured, a steep cost curve asks for short rounds; without the sweep only k = 6
+    # would be known and the prior slope would keep the policy there
+    policy._successes, policy._failures = 0.77, 0.23
+    policy._best = policy._two = None
+    chosen = policy.length(True)
+    assert chosen == max(STEEP, key=lambda k: ((1 - 0.77 ** (k + 1)) / 0.23) / STEEP[k])
+    later = sent[_MIN_ROUNDS + _SWEEP_SAMPLES * 6 :]
+    explored = [
+        k for i, k in enumerate(later) if k != later[i - 1] and k != later[(i + 1) % len(later)]
+    ]
+    assert explored and len(explored) <= len(later) // _EXPLORE_EVERY + 1
+    assert all(abs(k - chosen) == 1 for k in explored)
+
+
+def test_a_fixed_length_never_explores():
+    policy = DraftLengthPolicy(6, adaptive=False)
+    assert set(play(policy, 60, STEEP, 0.77)) == {6}
