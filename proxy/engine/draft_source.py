@@ -126,7 +126,13 @@ class DraftSource:
         if early_committed != committed or early_k < k or early_fresh < min(k_fresh, k):
             # another sequence (a plain run came between), or a longer draft wanted now:
             # the line keeps what was drafted, so drafting again reuses it
-            return await self.draft(committed, k, k_fresh=k_fresh)
+            again, again_dists, again_ms = await self.draft(committed, k, k_fresh=k_fresh)
+            if early_committed == committed:
+                # of what comes back from the line, only the early draft's own reuse was
+                # drafted ahead; the rest it drafted itself, after the verification
+                early_own = len(drafted.tokens) - drafted.reused
+                again.reused = max(0, again.reused - early_own)
+            return again, again_dists, again_ms
         drafted.tokens, drafted.probs = drafted.tokens[:k], drafted.probs[:k]
         return drafted, dists, (time.perf_counter() - started) * 1e3
 

@@ -82,11 +82,12 @@ class GreedyRule:
         self.pieces = pieces
         self.early_draft = early_draft
 
-    def _lengths(self, k: int) -> tuple[int, int]:
+    def _lengths(self, k: int, upcoming: int = 0) -> tuple[int, int]:
         """(most drafts, most drafted fresh) for a round allowed k, as the draft-length
-        policy chooses for rounds that draft ahead as things stand or not."""
+        policy chooses for rounds that draft ahead as things stand or not (`upcoming`
+        1: for the round after the one in progress)."""
         ahead = self.drafts.can_draft_ahead and self.policies.overlap.expects_ahead()
-        most, fresh = self.policies.draft_length.decide(ahead)
+        most, fresh = self.policies.draft_length.decide(ahead, upcoming)
         k = min(k, most)
         return k, min(k, fresh)
 
@@ -100,7 +101,7 @@ class GreedyRule:
         chosen = self.policies.overlap.decide(self.drafts.can_draft_ahead)
         if chosen:  # the bonus guess and the next round's drafts
             draft_length = self.policies.draft_length
-            self.drafts.start_ahead(lambda: draft_length.decide(True)[0] + 1)
+            self.drafts.start_ahead(lambda: draft_length.decide(True, upcoming=1)[0] + 1)
         return chosen
 
     async def verify(
@@ -115,7 +116,7 @@ class GreedyRule:
         """Draft the next round while this round's tokens are committed (wasted only
         where the generation stops)."""
         if self.early_draft:
-            self.drafts.start_early(committed, *self._lengths(k))
+            self.drafts.start_early(committed, *self._lengths(k, upcoming=1))
 
     async def piece(self, result: VerifyResult, token: int) -> tuple[bytes, bool]:
         return await self.pieces.piece(result), result.is_eog

@@ -102,28 +102,31 @@ class DraftLengthPolicy:
         self._slope = _PRIOR_VERIFY_SLOPE_MS
         self.prompts_per_round: float | None = None  # verify prompts (slots) per round
 
-    def decide(self, ahead: bool) -> tuple[int, int]:
+    def decide(self, ahead: bool, upcoming: int = 0) -> tuple[int, int]:
         """(the most drafts the next round should send, the most where it drafts them
-        fresh), for rounds that draft ahead or not."""
-        explored = self.exploring(ahead)
+        fresh), for rounds that draft ahead or not. `upcoming` 1: for the round after
+        the one in progress (an early draft, drafting ahead), which must get the same
+        answer as that round will when it starts."""
+        explored = self.exploring(ahead, self.rounds + upcoming)
         if explored is not None:
             return explored, explored
         return self.length(ahead), self.fresh_length(ahead)
 
-    def exploring(self, ahead: bool) -> int | None:
-        """A length to measure instead of the formula's choice this round: each length
-        `_SWEEP_SAMPLES` times after the first rounds (the longest first), then every
-        `_EXPLORE_EVERY` rounds one draft longer or shorter than the choice, in turn."""
-        if not self.adaptive or self.rule not in _FORMULA_RULES or self.rounds < _MIN_ROUNDS:
+    def exploring(self, ahead: bool, round_index: int) -> int | None:
+        """A length to measure instead of the formula's choice in round `round_index`
+        (counted in observed rounds): each length `_SWEEP_SAMPLES` times after the first
+        rounds (the longest first), then every `_EXPLORE_EVERY` rounds one draft longer
+        or shorter than the choice, in turn."""
+        if not self.adaptive or self.rule not in _FORMULA_RULES or round_index < _MIN_ROUNDS:
             return None
-        if self.rounds < _MIN_ROUNDS + _SWEEP_SAMPLES * self.k_max:
+        if round_index < _MIN_ROUNDS + _SWEEP_SAMPLES * self.k_max:
             for n in range(self.k_max, 0, -1):
                 if self._by_length.get(n, (0.0, 0))[1] < _SWEEP_SAMPLES:
                     return n
-        if self.rounds % _EXPLORE_EVERY:
+        if round_index % _EXPLORE_EVERY:
             return None
         chosen = self.length(ahead)
-        step = 1 if (self.rounds // _EXPLORE_EVERY) % 2 else -1
+        step = 1 if (round_index // _EXPLORE_EVERY) % 2 else -1
         neighbour = chosen + step if 1 <= chosen + step <= self.k_max else chosen - step
         return min(max(neighbour, 1), self.k_max)
 

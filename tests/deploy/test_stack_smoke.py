@@ -155,4 +155,7 @@ def test_stack_serves_the_clients_example(llama_server_bin, demo_models, tmp_pat
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("speculative "), done.stdout[:200]
-    assert "draft_n" in done.stdout.splitlines()[1]
+    # the engine's timings: drafts it verified, or (where the gate measured the CPU
+    # drafter too slow to win, as on a small machine) what its plain runs wrote
+    timings = done.stdout.splitlines()[1]
+    assert "draft_n" in timings or "plain_run_n" in timings, timings
