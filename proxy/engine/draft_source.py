@@ -130,40 +130,38 @@ class DraftSource:
             if early_committed == committed:
                 # of what comes back from the line, only the early draft's own reuse was
                 # drafted ahead; the rest it drafted itself, after the verification
-                early_own = len(drafted.tokens) - drafted.reused
+                early_own = drafted.fresh  # with a token cut by the stop rule
                 again.reused = max(0, again.reused - early_own)
             return again, again_dists, again_ms
         drafted.tokens, drafted.probs = drafted.tokens[:k], drafted.probs[:k]
         return drafted, dists, (time.perf_counter() - started) * 1e3
 
-    def start_timing(self, committed: list[int], k: int) -> None:
-        """Draft k tokens after `committed` only to learn the drafter's speed (its own ms
-        per drafted token), in the background: the server decodes alone meanwhile, and
-        the draft session keeps the prompt it took in for later rounds."""
+    def start_timing(self, committed: list[int], k: int, report: Callable[[float], None]) -> None:
+        """Draft k tokens after `committed` only to learn the drafter's speed, in the
+        background (the server decodes alone meanwhile; the draft session keeps the
+        prompt it took in for later rounds). `report` gets its ms per drafted token when
+        it is done, also after this generation has ended."""
         if k <= 0 or self.drafter is None or self._timing is not None:
             return
-        self._timing = asyncio.create_task(self.draft(committed, k))
+        task = asyncio.create_task(self.draft(committed, k))
 
-    @property
-    def timing(self) -> bool:
-        """A timing draft is running or its result was not taken yet."""
-        return self._timing is not None
+        def done(task: asyncio.Task[DraftOutcome]) -> None:
+            if task.cancelled() or task.exception() is not None:
+                return
+            draft, _dists, waited_ms = task.result()
+            if draft.fresh > 0:
+                report(draft.fresh_ms / draft.fresh)
+            elif draft.tokens:  # a drafter that does not time its own steps
+                report(waited_ms / len(draft.tokens))
 
-    def timing_result(self) -> GreedyDraft | None:
-        """The timing draft, once it is done (taken once); None while it runs."""
-        task = self._timing
-        if task is None or not task.done():
-            return None
-        self._timing = None
-        if task.cancelled() or task.exception() is not None:
-            return None
-        return task.result()[0]
+        task.add_done_callback(done)
+        self._timing = task
 
     async def _end_timing(self) -> None:
-        """Wait for a running timing draft: one draft at a time on the session. Its
-        result stays for `timing_result`."""
+        """Wait for a running timing draft: one draft at a time on the session."""
         task = self._timing
-        if task is not None and not task.done() and asyncio.current_task() is not task:
+        if task is not None and asyncio.current_task() is not task:
+            self._timing = None
             await asyncio.gather(task, return_exceptions=True)
 
     def start_ahead(self, n_tokens: Callable[[], int]) -> None:
@@ -210,11 +208,14 @@ class DraftSource:
         if early is not None:
             early[3].cancel()
             await asyncio.gather(early[3], return_exceptions=True)
-        timing, self._timing = self._timing, None
-        if timing is not None:
-            timing.cancel()
-            await asyncio.gather(timing, return_exceptions=True)
         await self.stop_ahead()
+        timing, self._timing = self._timing, None
+        if timing is not None and not timing.done() and self.drafter is not None:
+            # the drafter is still taking in the prompt (its worker cannot be cut short):
+            # let it finish and report in the background rather than hold the response
+            _closing.add(task := asyncio.create_task(_close_after(timing, self.drafter)))
+            task.add_done_callback(_closing.discard)
+            return
         if self.drafter is not None:
             await _close_quietly(self.drafter)
 
@@ -242,6 +243,14 @@ async def _propose_sampled(
     tokens = [int(t) for t in draft.tokens][:k]
     dists: list[SparseDist | None] = list(draft.dists or [])[: len(tokens)]
     return tokens, dists + [None] * (len(tokens) - len(dists))
+
+
+_closing: set[asyncio.Task[None]] = set()  # draft sessions closing after a timing draft
+
+
+async def _close_after(timing: asyncio.Task[DraftOutcome], drafter: AsyncDrafter) -> None:
+    await asyncio.gather(timing, return_exceptions=True)
+    await _close_quietly(drafter)
 
 
 async def _close_quietly(drafter: AsyncDrafter | None) -> None:

@@ -89,13 +89,12 @@ class Rounds:
         context = self.prompt + loop.text.tokens
         if self.policies.wants_drafter_speed():
             # the drafter is idle while the server decodes alone: time it now
-            self.drafts.start_timing(context, self.k_max)
+            self.drafts.start_timing(context, self.k_max, self.policies.observe_drafter_speed)
         sent = time.perf_counter()
         run = await self.rule.plain_run(self.upstream, context, n)
         back = time.perf_counter()
         run_ms = (back - sent) * 1e3
         events = await self._run_events(loop, run)
-        timed = self.drafts.timing_result()
         record = RoundRecord(
             n_drafted=0,
             n_accepted=0,
@@ -109,8 +108,6 @@ class Rounds:
             verify_back_ms=(back - started) * 1e3,
             drafter_idle_ms=run_ms,
             n_run_tokens=len(run.tokens),
-            fresh_tokens=timed.fresh if timed else 0,
-            fresh_ms=timed.fresh_ms if timed else 0.0,
         )
         record.server_idle_ms = (started + record.verify_sent_ms / 1e3 - loop.last_back) * 1e3
         loop.last_back = started + record.verify_back_ms / 1e3
@@ -145,11 +142,14 @@ class Rounds:
         await self._draft(loop, round_)
         await self._verify(loop, round_)
         round_.acceptance = self.rule.accept(round_.drafted.tokens, round_.dists, round_.results)
-        # the next round's committed sequence is known: its draft may start now
+        # the next round's committed sequence is known: its draft may start now (not
+        # after a round that filled one slot: plain runs come next)
         n_next = len(round_.acceptance.tokens)
-        self.rule.prepare_next(
-            round_.committed + round_.acceptance.tokens, min(self.k_max, round_.room - n_next - 1)
-        )
+        if not round_.plan.one_slot:
+            self.rule.prepare_next(
+                round_.committed + round_.acceptance.tokens,
+                min(self.k_max, round_.room - n_next - 1),
+            )
         async for event in self._commit(loop, round_):
             yield event
         await self._after_commit(loop, round_)

@@ -52,6 +52,11 @@ class Policies:
         """The gate waits for the drafter's speed (timed beside a plain run)."""
         return self.plain_runs is not None and self.plain_runs.wants_drafter_speed()
 
+    def observe_drafter_speed(self, ms_per_token: float) -> None:
+        """The drafter's own ms per drafted token, timed beside a plain run."""
+        if self.plain_runs is not None:
+            self.plain_runs.observe_drafter(ms_per_token)
+
     def observe(self, record: RoundRecord) -> None:
         """A round ended: the draft-length policy and the plain-run gate learn from it."""
         if self.plain_runs is not None:

@@ -167,8 +167,6 @@ class PlainRunGate:
         speculative round the drafter's own speed, which tells a drafter too slow to win
         apart."""
         if record.plain_run:
-            if record.fresh_tokens > 0:  # the drafter timed beside the run
-                self._observe_drafter(record.fresh_ms / record.fresh_tokens)
             self._observe_run(record.verify_ms, record.n_run_tokens)
             return
         if record.catch_up:
@@ -176,7 +174,7 @@ class PlainRunGate:
         elif not record.first:
             self._observe_round(record.round_ms, record.n_committed)
         if record.fresh_tokens > 0:
-            self._observe_drafter(record.fresh_ms / record.fresh_tokens)
+            self.observe_drafter(record.fresh_ms / record.fresh_tokens)
 
     def hopeless(self) -> bool:
         """At the measured drafter speed speculation cannot beat plain runs, even with
@@ -199,8 +197,9 @@ class PlainRunGate:
         self._pass_limit = min(2 * self._pass_limit, PASS_REQUESTS_MAX)
         return False
 
-    def _observe_drafter(self, ms_per_token: float) -> None:
-        """The drafter's own time per drafted token (re-syncs excluded)."""
+    def observe_drafter(self, ms_per_token: float) -> None:
+        """The drafter's own time per drafted token (re-syncs excluded), from a round or
+        from a draft timed beside a plain run."""
         if ms_per_token <= 0:
             return
         old = self.draft_ms
@@ -208,6 +207,17 @@ class PlainRunGate:
         if self._spec_probe_left > 0 and self.hopeless():
             self._spec_probe_left = 0  # no need to finish a re-measurement that cannot win
             self._probe_spec_after = self._next_probe_wait()
+        self._rule_out_if_hopeless()
+
+    def _rule_out_if_hopeless(self) -> None:
+        """Plain runs for good where the drafter's speed cannot win (before any round)."""
+        if self.hopeless() and not self.plain_chosen:
+            assert self.draft_ms is not None and self._plain.ms_per_token is not None
+            bound = speculation_bound_ms(self._plain.ms_per_token, self.draft_ms)
+            self._switch(
+                f"drafting {self.draft_ms:.1f} ms/token allows speculating no faster than "
+                f"{bound:.1f} ms/token vs plain {self._plain.ms_per_token:.1f} ms/token"
+            )
 
     def _observe_round(self, round_ms: float, n_committed: int) -> None:
         """A steady speculative round (not a first round, not one catching up a run)."""
@@ -251,12 +261,7 @@ class PlainRunGate:
         self._plain_tokens_since_probe += n_tokens
         self._spec_tokens_since_probe = 0
         if self.hopeless() and not self.plain_chosen:
-            assert self.draft_ms is not None and self._plain.ms_per_token is not None
-            bound = speculation_bound_ms(self._plain.ms_per_token, self.draft_ms)
-            self._switch(
-                f"drafting {self.draft_ms:.1f} ms/token allows speculating no faster than "
-                f"{bound:.1f} ms/token vs plain {self._plain.ms_per_token:.1f} ms/token"
-            )
+            self._rule_out_if_hopeless()
         elif len(self._spec) >= MIN_SPEC_ROUNDS:
             self._reconsider()
 

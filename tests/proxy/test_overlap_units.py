@@ -675,3 +675,63 @@ def test_the_formula_sweeps_every_length_then_explores_beside_its_choice():
 def test_a_fixed_length_never_explores():
     policy = DraftLengthPolicy(6, adaptive=False)
     assert set(play(policy, 60, STEEP, 0.77)) == {6}
+
+
+# -- timing the drafter beside a plain run -------------------------------------------
+
+
+class SlowSyncSession(CountingSession):
+    """Takes `sync_s` to take in a prompt (a long context on a slow drafter)."""
+
+    def __init__(self, sync_s: float) -> None:
+        super().__init__()
+        self.sync_s = sync_s
+        self.closed = False
+
+    def sync(self, tokens: Sequence[int]) -> SyncStats:
+        import time
+
+        time.sleep(self.sync_s)
+        return super().sync(tokens)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_timing_draft_reports_even_after_its_generation_ended_without_holding_it():
+    """The drafter's speed reaches the gate when its timing draft is done, also where the
+    generation ended first; ending the generation does not wait for the drafter."""
+    import time
+
+    from proxy.engine.draft_source import DraftSource
+
+    session = SlowSyncSession(sync_s=0.4)
+    source = DraftSource(AsyncSessionDrafter(session), always)
+    reported: list[float] = []
+    source.start_timing(list(range(50)), 4, reported.append)
+    await asyncio.sleep(0.05)  # the plain runs of a short answer
+    started = time.perf_counter()
+    await source.close()
+    assert time.perf_counter() - started < 0.2  # the response is not held
+    assert not reported and not session.closed
+    for _ in range(100):
+        if session.closed:
+            break
+        await asyncio.sleep(0.02)
+    assert len(reported) == 1 and reported[0] >= 0.0  # ms per drafted token
+    assert session.closed  # and the session was closed after it
+
+
+async def test_a_draft_waits_for_the_timing_draft_and_reuses_its_line():
+    from proxy.engine.draft_source import DraftSource
+
+    session = CountingSession()
+    source = DraftSource(AsyncSessionDrafter(session), always)
+    reported: list[float] = []
+    committed = list(range(20))
+    source.start_timing(committed, 3, reported.append)
+    draft, _dists, _ms = await source.draft(committed, 3)
+    assert draft.tokens == expected_draft(committed, 3)
+    assert draft.reused == 3 and session.computed == 3  # the timing draft's tokens
+    assert len(reported) == 1
+    await source.close()

@@ -131,10 +131,8 @@ async def test_no_slot_copies_for_a_request_that_starts_in_plain_runs(
         gate = AlwaysRun("auto", run_tokens=8)
         # as if earlier requests had measured plain runs (10 ms a token) and the drafter
         # (1 ms a token: speculation may win), and chosen
-        gate.observe(RoundRecord(
-            0, 0, 8, 0.0, 80.0, 0.0, plain_run=True, n_run_tokens=8, fresh_tokens=1,
-            fresh_ms=1.0,
-        ))  # fmt: skip
+        gate.observe(RoundRecord(0, 0, 8, 0.0, 80.0, 0.0, plain_run=True, n_run_tokens=8))
+        gate.observe_drafter(1.0)
         gate.plain_chosen = plain_preferred
         tokens, result = await generate(
             upstream, prompt, GenerationParams(n_predict=20), reference_drafter(),

@@ -33,19 +33,17 @@ def catch_up(round_ms: float, n_committed: int, drafter_ms: float = 0.0) -> Roun
     return steady(round_ms, n_committed, drafter_ms, catch_up=True)
 
 
-def plain_run(run_ms: float, n_tokens: int, drafter_ms: float = 0.0) -> RoundRecord:
-    """A plain run; with `drafter_ms`, the drafter was timed beside it (one token)."""
-    return RoundRecord(
-        0, 0, n_tokens, 0.0, run_ms, 0.0, plain_run=True, n_run_tokens=n_tokens,
-        fresh_tokens=1 if drafter_ms else 0, fresh_ms=drafter_ms,
-    )  # fmt: skip
+def plain_run(run_ms: float, n_tokens: int) -> RoundRecord:
+    return RoundRecord(0, 0, n_tokens, 0.0, run_ms, 0.0, plain_run=True, n_run_tokens=n_tokens)
 
 
 def begin(gate: PlainRunGate, plain_ms_per_token: float, drafter_ms: float = 2.0) -> None:
-    """What every gate does first: one plain run, with the drafter timed beside it."""
+    """What every gate does first: one plain run, and the drafter's speed from a draft
+    timed beside it, reported when that draft is done."""
     n = gate.run_tokens
     assert gate.measuring_first() and gate.decide() == n
-    gate.observe(plain_run(n * plain_ms_per_token, n, drafter_ms))
+    gate.observe(plain_run(n * plain_ms_per_token, n))
+    gate.observe_drafter(drafter_ms)
 
 
 def speculate(gate: PlainRunGate, rounds: int, ms_per_token: float, tokens: int = 3) -> None:
@@ -78,8 +76,7 @@ def test_speculation_waits_for_the_drafter_speed():
         assert gate.decide() == 16
         gate.observe(plain_run(16 * 10.0, 16))
         assert gate.measuring_first() and gate.wants_drafter_speed()
-    assert gate.decide() == 16
-    gate.observe(plain_run(16 * 10.0, 16, drafter_ms=2.0))
+    gate.observe_drafter(2.0)  # it reports, between two runs
     assert not gate.measuring_first() and not gate.wants_drafter_speed()
     assert gate.decide() == 0
 
@@ -262,8 +259,10 @@ def test_a_drafter_too_slow_to_win_is_ruled_out_without_a_round():
     round, no slot copies)."""
     gate = PlainRunGate("auto", run_tokens=16)
     assert gate.decide() == 16
-    gate.observe(plain_run(16 * 9.3, 16, drafter_ms=22.0))
+    gate.observe(plain_run(16 * 9.3, 16))
+    gate.observe_drafter(22.0)  # reported after the run: it rules speculation out at once
     assert gate.hopeless() and gate.plain_chosen
+    assert gate.decide() == 16
     for _ in range(100):
         if gate.decide() == 0:  # a re-measurement: its first round re-times the drafter
             gate.observe(catch_up(0.0, 0, drafter_ms=22.0))  # (its catch-up time aside)
