@@ -245,6 +245,8 @@ class BenchSession:
         self.errors: list[dict[str, Any]] = []
         self.round_costs: dict[str, dict[str, Any]] = {}  # by str(context)
         self._started = now_utc()
+        self._progress: Path | None = None  # where `run` writes the result so far
+        self._deadline: float | None = None  # time.monotonic() when --time-budget-s is spent
         self.host = host_info(self.binary)
         self._warmup: list[int] = []  # a short prompt outside the set, for warm-up requests
 
@@ -402,8 +404,14 @@ class BenchSession:
         if not await self._guarded(server.start(), unit, trial):
             return
         try:
+            # the budget and the progress file per mode: a shared server's unit holds
+            # every proxy variant and oracle of one k, minutes of runs
             for spec in rotated(unit, trial.repeat):
+                if self._out_of_time():
+                    self._skip(spec, trial)
+                    continue
                 await self._guarded(self._run_mode(session, trial, spec, server), [spec], trial)
+                self._save_progress()
         finally:
             await server.stop()
 
@@ -484,7 +492,8 @@ class BenchSession:
         every mode, so a session cut short still leaves its measurements."""
         o = self.options
         self._started = now_utc()
-        deadline = time.monotonic() + o.time_budget_s if o.time_budget_s else None
+        self._progress = progress
+        self._deadline = time.monotonic() + o.time_budget_s if o.time_budget_s else None
         timeout = aiohttp.ClientTimeout(total=None, sock_read=o.request_timeout)
         # A fresh connection per request: llama-server may close one after a stream.
         connector = aiohttp.TCPConnector(force_close=True)
@@ -501,13 +510,20 @@ class BenchSession:
                         specs = mode_specs(o, k, with_plain=k_index == 0, delays=delays)
                         units = mode_units(specs)
                         for unit in rotated(units, repeat + k_index):
-                            if deadline is not None and time.monotonic() > deadline:
+                            if self._out_of_time():
                                 self._skip(unit, trial)
                                 continue
                             await self._run_unit(session, trial, unit)
-                            if progress is not None:
-                                write_json(self.result(finished=False), progress)
+                            self._save_progress()
         return self.result(finished=True)
+
+    def _out_of_time(self) -> bool:
+        return self._deadline is not None and time.monotonic() > self._deadline
+
+    def _save_progress(self) -> None:
+        """The result so far, where `run` was given a progress file."""
+        if self._progress is not None:
+            write_json(self.result(finished=False), self._progress)
 
     async def _delays(
         self, context: int | None, prompts: list[BenchPrompt]

@@ -208,3 +208,50 @@ def test_mode_k_runs_a_mode_only_at_its_own_k() -> None:
     assert by_k[4] == ["builtin", "proxy", "oracle(a=0.8,0ms)"]
     assert by_k[6] == ["builtin"]
     assert by_k[8] == ["oracle(a=0.8,0ms)"]  # the other modes keep to -k
+
+
+async def test_a_shared_server_unit_keeps_the_time_budget_and_saves_each_mode(
+    tmp_path: Path, llama_server_bin: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proxy and oracle modes of one k share a server and run as one unit: the
+    budget is checked and the result so far written before and after each of them, so
+    a session cut short keeps the modes it finished."""
+    import json
+    import time
+
+    from proxy.bench import runner
+    from proxy.bench.modes import ModeSpec
+
+    class FakeServer:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        async def start(self) -> None:
+            pass
+
+        async def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(runner, "VerifyServer", FakeServer)
+    session = runner.BenchSession(
+        BenchOptions(target=tmp_path / "t.gguf", llama_server=llama_server_bin,
+                     work_dir=tmp_path / "work")
+    )  # fmt: skip
+    ran: list[str] = []
+
+    async def run_mode(http, trial, spec, server=None) -> None:
+        ran.append(spec.name)
+        session.runs.append({"mode": spec.name})
+        session._deadline = time.monotonic() - 1  # the budget is spent after the first
+
+    monkeypatch.setattr(session, "_run_mode", run_mode)
+    monkeypatch.setattr(session, "result", lambda finished: {"runs": list(session.runs)})
+    session._progress = tmp_path / "progress.json"
+    session._deadline = time.monotonic() + 60
+    unit = [ModeSpec("proxy", 4, variant=v) for v in ("a", "b", "c")]
+    trial = runner.Trial(512, 0, [], {}, None, {}, [])  # type: ignore[arg-type]
+    await session._run_unit(None, trial, unit)  # type: ignore[arg-type]
+    assert ran == [unit[0].name]
+    assert [e["mode"] for e in session.errors] == [unit[1].name, unit[2].name]
+    saved = json.loads(session._progress.read_text())
+    assert [r["mode"] for r in saved["runs"]] == [unit[0].name]
