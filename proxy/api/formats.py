@@ -66,13 +66,24 @@ class ResponseFormat(ABC):
         raise NotImplementedError(f"{type(self).__name__} offers no tool calls")
 
 
-class NativeCompletion(ResponseFormat):
-    """`/completion`: llama.cpp's native format."""
-
-    ends_with_done = False
+class _FinalObjectFormat(ResponseFormat):
+    """A format whose whole body and whose stream's end are the same final object."""
 
     def body(self, result: GenerationResult) -> Chunk:
         return self._final(result, stream=False)
+
+    def end_chunks(self, result: GenerationResult) -> list[Chunk]:
+        return [self._final(result, stream=True)]
+
+    @abstractmethod
+    def _final(self, result: GenerationResult, stream: bool) -> Chunk:
+        """The final object; streamed, without what the token chunks already sent."""
+
+
+class NativeCompletion(_FinalObjectFormat):
+    """`/completion`: llama.cpp's native format."""
+
+    ends_with_done = False
 
     def token_chunks(self, event: TokenEvent, timings: dict | None) -> list[Chunk]:
         out: Chunk = {
@@ -87,9 +98,6 @@ class NativeCompletion(ResponseFormat):
         if timings is not None:
             out["timings"] = timings
         return [out]
-
-    def end_chunks(self, result: GenerationResult) -> list[Chunk]:
-        return [self._final(result, stream=True)]
 
     def _no_token_chunk(self) -> Chunk:
         return {
@@ -119,20 +127,14 @@ class NativeCompletion(ResponseFormat):
         }
 
 
-class OaiCompletion(ResponseFormat):
+class OaiCompletion(_FinalObjectFormat):
     """`/v1/completions`: OpenAI's text completion."""
-
-    def body(self, result: GenerationResult) -> Chunk:
-        return self._final(result, stream=False)
 
     def token_chunks(self, event: TokenEvent, timings: dict | None) -> list[Chunk]:
         out = self._partial(text(event.text))
         if timings is not None:
             out["timings"] = timings
         return [out]
-
-    def end_chunks(self, result: GenerationResult) -> list[Chunk]:
-        return [self._final(result, stream=True)]
 
     def _no_token_chunk(self) -> Chunk:
         return self._partial("")

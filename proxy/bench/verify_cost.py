@@ -73,8 +73,6 @@ PARTS = ("a", "b", "c", "d", "e")
 DECODES = "llamacpp:n_decode_total"
 PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
-# What the proxy asks back per result; it holds the server's own timings of the round.
-ROUND_FIELDS = VERIFY_FIELDS
 
 
 @dataclass
@@ -274,7 +272,7 @@ class Bench:
         samples = []
         for i in range(self.options.warmup + self.options.repeats):
             prompt += self.tokens(m)
-            body = {"prompt": prompt, **GREEDY_VERIFY_PARAMS, "response_fields": ROUND_FIELDS}
+            body = {"prompt": prompt, **GREEDY_VERIFY_PARAMS, "response_fields": VERIFY_FIELDS}
             sample = await self._timed(body)
             if i >= self.options.warmup:
                 samples.append(sample)
@@ -300,7 +298,7 @@ class Bench:
 def _round_body(ctx: list[int], drafts: list[int]) -> dict[str, Any]:
     """Exactly the proxy's greedy verify request (UpstreamClient.verify), plus timings."""
     prompts = [ctx + drafts[:i] for i in range(len(drafts) + 1)]
-    return {"prompt": prompts, **GREEDY_VERIFY_PARAMS, "response_fields": ROUND_FIELDS}
+    return {"prompt": prompts, **GREEDY_VERIFY_PARAMS, "response_fields": VERIFY_FIELDS}
 
 
 def expected_round_tokens(k: int, j: int) -> int:

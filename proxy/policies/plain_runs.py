@@ -209,15 +209,18 @@ class PlainRunGate:
             self._probe_spec_after = self._next_probe_wait()
         self._rule_out_if_hopeless()
 
-    def _rule_out_if_hopeless(self) -> None:
-        """Plain runs for good where the drafter's speed cannot win (before any round)."""
-        if self.hopeless() and not self.plain_chosen:
-            assert self.draft_ms is not None and self._plain.ms_per_token is not None
-            bound = speculation_bound_ms(self._plain.ms_per_token, self.draft_ms)
-            self._switch(
-                f"drafting {self.draft_ms:.1f} ms/token allows speculating no faster than "
-                f"{bound:.1f} ms/token vs plain {self._plain.ms_per_token:.1f} ms/token"
-            )
+    def _rule_out_if_hopeless(self) -> bool:
+        """Plain runs for good where the drafter's speed cannot win (before any round);
+        whether it switched to them now."""
+        if self.plain_chosen or not self.hopeless():
+            return False
+        assert self.draft_ms is not None and self._plain.ms_per_token is not None
+        bound = speculation_bound_ms(self._plain.ms_per_token, self.draft_ms)
+        self._switch(
+            f"drafting {self.draft_ms:.1f} ms/token allows speculating no faster than "
+            f"{bound:.1f} ms/token vs plain {self._plain.ms_per_token:.1f} ms/token"
+        )
+        return True
 
     def _observe_round(self, round_ms: float, n_committed: int) -> None:
         """A steady speculative round (not a first round, not one catching up a run)."""
@@ -260,9 +263,7 @@ class PlainRunGate:
         self._plain.add(run_ms, n_tokens)
         self._plain_tokens_since_probe += n_tokens
         self._spec_tokens_since_probe = 0
-        if self.hopeless() and not self.plain_chosen:
-            self._rule_out_if_hopeless()
-        elif len(self._spec) >= MIN_SPEC_ROUNDS:
+        if not self._rule_out_if_hopeless() and len(self._spec) >= MIN_SPEC_ROUNDS:
             self._reconsider()
 
     def _reconsider(self) -> None:
