@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from npu_draft.protocol import CancelToken, Draft, SamplingParams, SparseDist
-from proxy.engine.drafting import AsyncDrafter, GreedyDraft, StopRule
+from proxy.engine.drafting import AsyncDrafter, GreedyDraft, SidePlan, StopRule
 from proxy.engine.records import RoundObserver
 
 log = logging.getLogger(__name__)
@@ -164,9 +164,12 @@ class DraftSource:
             self._timing = None
             await asyncio.gather(task, return_exceptions=True)
 
-    def start_ahead(self, n_tokens: Callable[[], int]) -> None:
+    def start_ahead(
+        self, n_tokens: Callable[[], int], sides: Callable[[], SidePlan | None] | None = None
+    ) -> None:
         """While the server verifies, keep drafting the line as if all is accepted:
-        `n_tokens()` more (asked when drafting starts)."""
+        `n_tokens()` more (asked when drafting starts), then the side lines `sides()`
+        plans."""
         drafter = self.drafter
         assert drafter is not None
         self._ahead_cancel = cancel = CancelToken()
@@ -175,7 +178,11 @@ class DraftSource:
 
         async def run() -> None:
             try:
-                await drafter.extend(n_tokens(), cancel)
+                plan = sides() if sides is not None else None
+                if plan is None:
+                    await drafter.extend(n_tokens(), cancel)
+                else:
+                    await drafter.extend(n_tokens(), cancel, plan)
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -48,6 +48,7 @@ class RoundRecord:
     fresh_tokens: int = 0
     fresh_ms: float = 0.0
     resynced: bool = False
+    from_side: bool = False  # its drafts were ready on a side line (a guessed rejection)
     n_run_tokens: int = 0  # a plain run's tokens, also those past where the output stopped
     # whether the round drafted ahead during its verification, as the overlap policy
     # chose (None: no choice was made), and what the next round's draft then waited for

@@ -249,6 +249,7 @@ class Rounds:
             fresh_tokens=drafted.fresh,
             fresh_ms=drafted.fresh_ms,
             resynced=drafted.resynced,
+            from_side=drafted.from_side,
             drafted_ahead=round_.drafted_ahead,
         )
         loop.last_back = round_.verify_back

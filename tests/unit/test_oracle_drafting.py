@@ -33,11 +33,14 @@ def test_drafts_on_past_its_own_wrong_draft_one_token_at_a_time():
 
 def test_a_committed_sequence_off_the_path_gets_no_drafts():
     """A committed sequence that left the recorded output (a near-tie the target broke
-    the other way): the oracle knows nothing after it, so it drafts nothing."""
+    the other way): the oracle knows nothing after it, so it drafts nothing. Only where
+    the last token alone is off the path (a side line's wrong guess of a correction) it
+    drafts on as after its own wrong draft, so that the guess costs drafting time."""
     model = _model(0.9)
+    ref = model.references[0]
     session = model.open_session()
     session.sync([*PROMPT, TRUTH[0] + 1])
-    assert session.propose(3).tokens == []
+    assert session.propose(3).tokens == [drafted_token(model.config, ref, p) for p in (1, 2, 3)]
     session.sync([*PROMPT, TRUTH[0] + 1, *TRUTH[1:5]])
     assert session.propose(1).tokens == []
     session.sync([1, 2, 3])  # an unknown prompt
