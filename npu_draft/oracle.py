@@ -248,6 +248,13 @@ class OracleDraftSession:
         self._on_path = ref.matched(self._tokens, self._on_path)
         return draft
 
+    def second_choice(self) -> int | None:
+        """The runner-up `next_logits` ranks second, without building the logits."""
+        found = self._locate()
+        if found is None or found[1] >= len(found[0].continuation):
+            return None
+        return runner_up_token(self._model.config, *found)
+
     def next_logits(self) -> np.ndarray:
         """The drafted token first (0), the runner-up second (-1), the rest far below."""
         config = self._model.config

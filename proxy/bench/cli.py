@@ -152,6 +152,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "first repeat (default), in all, or never (then streamed ids and text are compared)",
     )
     parser.add_argument(
+        "--warmup",
+        choices=["context", "short"],
+        default="context",
+        help="each mode's warm-up request before its measured ones: context (default: a "
+        "prompt outside --prompt-ids at the same context, n_predict tokens, so the proxy's "
+        "policies have measured this context as a running proxy has; its tok/s is kept in "
+        "the JSON's instances) or short (a 32-token request on a short prompt)",
+    )
+    parser.add_argument(
         "--time-budget-s",
         type=float,
         help="start no new mode after this many seconds (the JSON keeps what ran)",
@@ -164,6 +173,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=OPTIONS",
         help="run proxy and oracle once per variant with these extra `npu-spec serve` options, "
         "e.g. --proxy-variant 'turns=--fixed-k --no-overlap' (repeatable; NAME= alone: defaults)",
+    )
+    parser.add_argument(
+        "--proxy-mode-variants",
+        type=lambda text: [name.strip() for name in text.split(",")],
+        metavar="NAME[,NAME...]",
+        help="the --proxy-variant names the proxy mode (the real drafter) runs; the oracle "
+        "runs every variant (default: all), e.g. 'defaults' where the real drafter is slow",
     )
     parser.add_argument(
         "-o", "--out", type=Path, help="result JSON (default: benchmarks/results/bench-<time>.json)"
@@ -234,7 +250,9 @@ def options_from_args(args: argparse.Namespace):
         startup_timeout=args.startup_timeout,
         time_budget_s=args.time_budget_s,
         exact_check=args.exact_check,
+        warmup=args.warmup,
         proxy_variants=args.proxy_variants or [("", [])],
+        proxy_mode_variants=args.proxy_mode_variants,
     )
 
 

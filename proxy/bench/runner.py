@@ -20,7 +20,11 @@ The result JSON (schema "npu-spec-bench/1"):
   equal_to_plain compares exact ids (a second, non-streamed request) when
   exact_checked, else the streamed ids and text (see proxy.bench.client).
 - `instances`: one per started mode: its peak memory (rss_mb.*, gpu_mb.* in MiB;
-  GPU memory as nvidia-smi reports it after the last prompt).
+  GPU memory as nvidia-smi reports it after the last prompt) and its warm-up request
+  (`warmup`: prompt id, lengths, tokens_per_s; with `--warmup context`, the default, a
+  prompt outside the set at the same context and length, so that what a proxy learns
+  on its first request at a context, the plain-run gate's measurements included, is
+  seen there and not in the measured requests).
 - `round_costs`: per context, measured before the modes on a server started as
   managed mode starts it (same flags, same prompt length): the plain step
   (`plain_ms`) and the k+1-prompt round's wall ms by k (`round_ms`), see
@@ -128,8 +132,14 @@ class BenchOptions:
     request_timeout: float = 1800.0
     time_budget_s: float | None = None  # start no new mode after this long
     exact_check: str = "first"  # non-streamed token check: "first" repeat, "all", "none"
+    # each mode's warm-up: "context" (a prompt outside the set at the same context, as
+    # long as the measured ones) or "short" (WARMUP_TEXT, WARMUP_TOKENS)
+    warmup: str = "context"
     # proxy and oracle run once per variant: (name, extra `npu-spec serve` options)
     proxy_variants: list[tuple[str, list[str]]] = field(default_factory=lambda: [("", [])])
+    # the variants the proxy mode (the real drafter) runs; None: all of them (the oracle
+    # always runs all)
+    proxy_mode_variants: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -199,9 +209,11 @@ def mode_specs(
         elif kind == "builtin-synth":
             specs += [ModeSpec(kind, k, acceptance=a) for a in options.oracle_acceptance]
         elif kind == "proxy":
+            wanted = options.proxy_mode_variants
             specs += [
                 ModeSpec("proxy", k, variant=name, serve_args=tuple(args))
                 for name, args in options.proxy_variants
+                if wanted is None or name in wanted
             ]
         else:
             specs.append(ModeSpec(kind, 0 if kind == "plain" else k))
@@ -249,7 +261,8 @@ class BenchSession:
         self._progress: Path | None = None  # where `run` writes the result so far
         self._deadline: float | None = None  # time.monotonic() when --time-budget-s is spent
         self.host = host_info(self.binary)
-        self._warmup: list[int] = []  # a short prompt outside the set, for warm-up requests
+        # the warm-up request's prompt and length (see BenchOptions.warmup)
+        self._warmup: tuple[list[int], int, str] = ([], WARMUP_TOKENS, "short")
 
     def _config(self, ctx: int) -> ServeConfig:
         o = self.options
@@ -281,7 +294,8 @@ class BenchSession:
         await server.start(o.startup_timeout)
         try:
             text = ServerText(session, server.base_url)
-            prompts = select(await build_prompts(text, prompt_set, context), o.prompt_ids)
+            every = await build_prompts(text, prompt_set, context)
+            prompts = select(every, o.prompt_ids)
             outputs: dict[str, PlainOutput] = {}
             for prompt in prompts:
                 exact = await exact_tokens(session, server.base_url, prompt.tokens, o.n_predict)
@@ -292,10 +306,15 @@ class BenchSession:
                      "n_prompt": len(prompt.tokens), "n_generated": len(exact),
                      "n_stream_tokens": len(done.tokens)}
                 )  # fmt: skip
-            warmup = await text.tokenize(WARMUP_TEXT)
+            # as long as the measured prompts at most: the slots are sized for those
+            longest = max(len(p.tokens) for p in prompts)
+            outside = [p for p in every if p not in prompts and len(p.tokens) <= longest]
+            if o.warmup == "context" and outside:
+                self._warmup = (list(outside[0].tokens), o.n_predict, outside[0].id)
+            else:
+                self._warmup = (await text.tokenize(WARMUP_TEXT), WARMUP_TOKENS, "short")
         finally:
             await server.stop()
-        self._warmup = warmup
         return prompts, outputs
 
     def _oracle_folders(
@@ -354,7 +373,14 @@ class BenchSession:
             else None
         )
         try:
-            await stream_completion(session, instance.base_url, self._warmup, WARMUP_TOKENS)
+            warm_tokens, warm_n, warm_id = self._warmup
+            warm = await stream_completion(session, instance.base_url, warm_tokens, warm_n)
+            warmup = {
+                "prompt": warm_id,
+                "n_prompt": len(warm_tokens),
+                "n_generated": warm.n_predicted,
+                "tokens_per_s": warm.tokens_per_s,
+            }
             seen = await drafter.draft_stats() if drafter else None
             if seen is None:  # no statistics in the log: no drafter timer for this mode
                 drafter = None
@@ -392,7 +418,7 @@ class BenchSession:
             await instance.stop()
         self.instances.append(
             {"mode": spec.name, "kind": spec.kind, "k": spec.k, "context": trial.context,
-             "repeat": trial.repeat, "memory": memory}
+             "repeat": trial.repeat, "memory": memory, "warmup": warmup}
         )  # fmt: skip
 
     async def _run_unit(

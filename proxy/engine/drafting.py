@@ -202,8 +202,15 @@ class _Line:
         return token, prob
 
     def _runner_up(self, session: DraftSession) -> int | None:
-        """The draft's second choice for the next token; a drafter without logits (the
-        n-gram one) has none, and side lines are then never drafted."""
+        """The draft's second choice for the next token: the session's own
+        `second_choice()` where it has one (the oracle: no vocabulary-wide logits to
+        build on the drafter thread while the proxy parses a verify response), else
+        from its logits; a drafter without logits (the n-gram one) has none, and side
+        lines are then never drafted."""
+        second_choice = getattr(session, "second_choice", None)
+        if callable(second_choice):
+            choice = second_choice()
+            return None if choice is None else int(choice)
         try:
             logits = session.next_logits()
         except NotImplementedError:

@@ -102,6 +102,10 @@ async def test_bench_all_modes_complete_and_match_plain(
     assert all(ms > 0 for ms in costs["round_ms"].values())
     modes = [e["kind"] for e in result["summary"]]
     assert modes == ["plain", "builtin", "builtin-synth", "proxy", "oracle"]
+    for instance in result["instances"]:  # warmed up at the context, on another prompt
+        warmup = instance["warmup"]
+        assert warmup["prompt"] not in options.prompt_ids, warmup
+        assert 150 <= warmup["n_prompt"] <= 230 and warmup["n_generated"] > 0
     assert len(result["runs"]) == 5 * 2
     for run in result["runs"]:
         assert tuple(run) == RUN_FIELDS

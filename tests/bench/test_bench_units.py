@@ -43,6 +43,11 @@ def test_proxy_variants_multiply_proxy_and_oracle_modes() -> None:
         "plain", "proxy", "proxy[turns]", "oracle(a=0.8,0ms)", "oracle(a=0.8,0ms)[turns]",
     ]  # fmt: skip
     assert specs[2].serve_args == ("--fixed-k", "--no-overlap")
+    # the real drafter only in the variants asked for; the oracle in all
+    options.proxy_mode_variants = [""]
+    assert [s.name for s in mode_specs(options, 6)] == [
+        "plain", "proxy", "oracle(a=0.8,0ms)", "oracle(a=0.8,0ms)[turns]",
+    ]  # fmt: skip
 
 
 def test_first_mismatch() -> None:
