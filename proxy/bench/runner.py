@@ -263,6 +263,9 @@ class BenchSession:
         self.host = host_info(self.binary)
         # the warm-up request's prompt and length (see BenchOptions.warmup)
         self._warmup: tuple[list[int], int, str] = ([], WARMUP_TOKENS, "short")
+        # the warm-up prompt's plain greedy output: the oracle drafts for it as well, so
+        # that its warm-up teaches the proxy what a real drafter's would
+        self._warmup_output: list[int] = []
 
     def _config(self, ctx: int) -> ServeConfig:
         o = self.options
@@ -313,6 +316,8 @@ class BenchSession:
                 self._warmup = (list(outside[0].tokens), o.n_predict, outside[0].id)
             else:
                 self._warmup = (await text.tokenize(WARMUP_TEXT), WARMUP_TOKENS, "short")
+            warm_tokens, warm_n, _ = self._warmup
+            self._warmup_output = await exact_tokens(session, server.base_url, warm_tokens, warm_n)
         finally:
             await server.stop()
         return prompts, outputs
@@ -325,6 +330,7 @@ class BenchSession:
         if "oracle" not in o.modes:
             return {}
         references = [(p.tokens, outputs[p.id].tokens) for p in prompts]
+        references.append((tuple(self._warmup[0]), tuple(self._warmup_output)))
         folders = {}
         for a in o.oracle_acceptance:
             for _, ms in delays:

@@ -252,6 +252,8 @@ def _second_choice(logits: np.ndarray) -> int | None:
     partial sort of a vocabulary)."""
     if logits.size < 2:
         return None
+    if not logits.flags.writeable:  # a runtime's own buffer: mask a copy
+        logits = logits.copy()
     first = int(np.argmax(logits))
     kept = logits[first]
     logits[first] = -np.inf

@@ -82,6 +82,7 @@ class Generation:
                     yield event
         finally:
             await rounds.drafts.close()
+        await rounds.release_slots()
         self._finish(loop, rounds)
 
     async def _rounds(self) -> Rounds:

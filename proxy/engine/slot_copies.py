@@ -31,22 +31,31 @@ class SlotReplicator:
         """Copy a slot only when its prefill would cost the others more than a copy."""
         return n_fresh >= self.min_prompt
 
-    async def replicate(self, id_slot: int, copies: int, filename: str) -> int:
-        """Copy slot `id_slot` into up to `copies` idle slots; returns how many."""
+    async def replicate(self, id_slot: int, copies: int, filename: str) -> list[int]:
+        """Copy slot `id_slot` into up to `copies` idle slots; returns their ids."""
         if not self.available or copies <= 0 or id_slot < 0:
-            return 0
+            return []
         try:
             await self.upstream.slot_action(id_slot, "save", filename)
             slots = await self.upstream.slots()
             idle = [s["id"] for s in slots if not s.get("is_processing") and s["id"] != id_slot]
             for target in idle[:copies]:
                 await self.upstream.slot_action(target, "restore", filename)
-            return min(copies, len(idle))
+            return idle[:copies]
         except (UpstreamClientError, UpstreamError) as exc:
             # 501 without --slot-save-path; whatever the cause, only speed is lost
             self.available = False
             log.warning("slot save/restore unavailable (%s); prefilling in the batch", exc)
-            return 0
+            return []
+
+    async def erase(self, slots: list[int]) -> None:
+        """Empty these slots' caches (a slot busy with another task is emptied when it is
+        done, by the server). Only speed depends on it: a failure is logged and ignored."""
+        for id_slot in slots:
+            try:
+                await self.upstream.slot_action(id_slot, "erase", "")
+            except (UpstreamClientError, UpstreamError) as exc:
+                log.debug("erasing slot %d failed: %s", id_slot, exc)
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class SlotCopies:
         self.slot_file = slot_file
         self.n_prompt = n_prompt
         self.slots_to_copy = slots_to_copy  # the draft-length policy's measured need
+        self.filled: set[int] = set()  # slots this generation copied its context into
 
     def first_round(self, one_slot: bool) -> FirstRound:
         """The plan of a first round that has a drafter: one slot is prefilled (and
@@ -102,7 +112,9 @@ class SlotCopies:
         the next batch."""
         assert self.replicator is not None
         if self.replicator.worth_copying(self.n_prompt - n_cached):
-            await self.replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
+            self.filled.update(
+                await self.replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
+            )
 
     async def catch_up(self, id_slot: int, lag: int) -> None:
         """Before speculating after plain runs (or after a first round that prefilled
@@ -111,4 +123,16 @@ class SlotCopies:
         replicator = self.replicator
         if replicator is None or not replicator.available or not replicator.worth_copying(lag):
             return
-        await replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
+        copied = await replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
+        self.filled.update(copied)
+
+    async def release(self, used: set[int], keep: int) -> None:
+        """Empty the slots this generation filled or verified in, all but `keep` (the one
+        that holds its whole context, for the conversation's next turn). Called when the
+        gate has chosen plain decoding: the next requests pass through, and with unified
+        KV every decode step of theirs would attend over the cells these slots hold
+        (masked, but read), which makes plain decoding on this server slower than on
+        llama-server alone."""
+        stale = sorted((used | self.filled) - {keep, -1})
+        if self.replicator is not None and self.replicator.available and stale:
+            await self.replicator.erase(stale)

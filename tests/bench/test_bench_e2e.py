@@ -106,6 +106,10 @@ async def test_bench_all_modes_complete_and_match_plain(
         warmup = instance["warmup"]
         assert warmup["prompt"] not in options.prompt_ids, warmup
         assert 150 <= warmup["n_prompt"] <= 230 and warmup["n_generated"] > 0
+    # the oracle knows the warm-up prompt's output too: its warm-up drafts like a real one
+    (oracle_folder,) = (tmp_path / "work").glob("oracle-*")
+    references = json.loads((oracle_folder / "oracle.json").read_text())["references"]
+    assert len(references) == 3 and len(references[2][0]) == warmup["n_prompt"]
     assert len(result["runs"]) == 5 * 2
     for run in result["runs"]:
         assert tuple(run) == RUN_FIELDS

@@ -108,7 +108,7 @@ class CountingReplicator(SlotReplicator):
         super().__init__(upstream)
         self.calls = 0
 
-    async def replicate(self, id_slot: int, copies: int, filename: str) -> int:
+    async def replicate(self, id_slot: int, copies: int, filename: str) -> list[int]:
         self.calls += 1
         return await super().replicate(id_slot, copies, filename)
 
@@ -224,3 +224,46 @@ async def test_speculating_after_plain_runs_copies_the_slot_that_holds_the_conte
     assert replicator.calls == 1  # before the first speculative round, not at the start
     assert after.decodes == 1
     assert after.prompt_tokens < len(prompt) // 2, after  # the copies hold the context
+
+
+class SpeculateThenChoosePlain(PlainRunGate):
+    """Speculates every round; by the generation's end plain decoding is chosen (as a
+    gate that measured speculation losing would have)."""
+
+    def decide(self) -> int:
+        return 0
+
+    def measuring_first(self) -> bool:
+        return False
+
+    def prefers_plain(self) -> bool:
+        return self.plain_chosen
+
+
+async def test_slots_are_emptied_but_the_context_one_once_plain_decoding_is_chosen(
+    spec_server, reference_drafter, http, ref_server
+):
+    """Passed-through requests then decode with unified KV over the cells of every slot:
+    the generation that chose plain decoding empties the slots it filled, all but the
+    one that holds its context (the next turn's prefix)."""
+    text = "The lighthouse keeper counted the ships " * 16  # long enough to copy
+    prompt = await tokenize(http, ref_server, text)
+    async with UpstreamClient(spec_server) as upstream:
+        for slot in await upstream.slots():  # a clean start: other tests' leftovers
+            await upstream.slot_action(slot["id"], "erase", "")
+        gate = SpeculateThenChoosePlain("auto")
+        policies = Policies.fresh(3, plain_runs=gate)
+        replicator = CountingReplicator(upstream)
+        generation = generate(
+            upstream, prompt, GenerationParams(n_predict=24), reference_drafter(),
+            settings=EngineSettings(k=3), replicator=replicator, policies=policies,
+        )  # fmt: skip
+        gate.plain_chosen = True  # chosen while the generation runs
+        tokens, result = await generation
+        assert replicator.calls == 1 and any(r.n_drafted for r in result.rounds)
+        held = [
+            (await upstream.slot_action(slot["id"], "erase", ""))["n_erased"]
+            for slot in await upstream.slots()
+        ]
+    assert sum(n > 0 for n in held) == 1, held  # the context's slot alone
+    assert max(held) >= len(prompt) + len(tokens) - 4, held

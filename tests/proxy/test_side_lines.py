@@ -287,3 +287,13 @@ async def test_a_drafter_without_logits_drafts_no_side_lines():
         assert NoLogits.asked == 1  # asked once, then never again
     finally:
         await drafter.close()
+
+
+def test_second_choice_leaves_the_logits_as_they_were():
+    from proxy.engine.drafting import _second_choice
+
+    logits = np.array([0.5, 3.0, 2.0, -1.0], dtype=np.float32)
+    assert _second_choice(logits) == 2
+    assert logits.tolist() == [0.5, 3.0, 2.0, -1.0]
+    logits.flags.writeable = False  # e.g. a runtime's own output buffer
+    assert _second_choice(logits) == 2
