@@ -48,8 +48,9 @@ class DraftSource:
         # committed sequence it drafts after, its length, its fresh length, the task)
         self._early: tuple[list[int], int, int, asyncio.Task[DraftOutcome]] | None = None
         # a draft made only to time the drafter (`start_timing`), while the server
-        # decodes alone
+        # decodes alone, and when it ended (perf_counter s)
         self._timing: asyncio.Task[DraftOutcome] | None = None
+        self._timing_ended: float | None = None
 
     @property
     def available(self) -> bool:
@@ -146,6 +147,7 @@ class DraftSource:
         task = asyncio.create_task(self.draft(committed, k))
 
         def done(task: asyncio.Task[DraftOutcome]) -> None:
+            self._timing_ended = time.perf_counter()
             if task.cancelled() or task.exception() is not None:
                 return
             draft, _dists, waited_ms = task.result()
@@ -156,6 +158,17 @@ class DraftSource:
 
         task.add_done_callback(done)
         self._timing = task
+
+    def busy_since(self, start: float) -> bool:
+        """Whether the drafter worked in the background at some time after `start`
+        (perf_counter s): this generation's timing draft, or a session of an earlier
+        generation still closing after its own."""
+        timing = self._timing
+        if timing is not None and not timing.done():
+            return True
+        if self._timing_ended is not None and self._timing_ended > start:
+            return True
+        return any(not task.done() for task in _closing)
 
     async def _end_timing(self) -> None:
         """Wait for a running timing draft: one draft at a time on the session."""

@@ -10,6 +10,7 @@ limits) is mirrored in `proxy.engine.server_text`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -25,6 +26,8 @@ from proxy.engine.settings import EngineSettings, GenerationParams
 from proxy.engine.slot_copies import SlotCopies, SlotReplicator
 from proxy.policies import Policies
 from proxy.server.upstream import UpstreamClient
+
+log = logging.getLogger(__name__)
 
 
 class Generation:
@@ -129,3 +132,11 @@ class Generation:
         )
         if self.observer is not None:
             self.observer.observe_generation(len(text.tokens), end - loop.started)
+        verify = [r for r in loop.rounds if not r.plain_run]
+        log.info(
+            "[%s] done: %d tokens in %.2f s (first %.0f ms); %d verify rounds (%d drafted, "
+            "%d accepted), %d tokens by plain runs",
+            self.request_id, len(text.tokens), end - loop.started, self.result.prompt_ms,
+            len(verify), sum(r.n_drafted for r in verify), sum(r.n_accepted for r in verify),
+            sum(r.n_committed for r in loop.rounds if r.plain_run),
+        )  # fmt: skip

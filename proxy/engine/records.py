@@ -50,6 +50,10 @@ class RoundRecord:
     resynced: bool = False
     from_side: bool = False  # its drafts were ready on a side line (a guessed rejection)
     n_run_tokens: int = 0  # a plain run's tokens, also those past where the output stopped
+    # a plain run during which the drafter worked in the background (a timing draft, its
+    # prefill of the context): on a CPU drafter that slows the server's own host threads,
+    # so its time is no measure of plain decoding (docs/BENCHMARKS.md, "Fourth run")
+    drafter_busy: bool = False
     # whether the round drafted ahead during its verification, as the overlap policy
     # chose (None: no choice was made), and what the next round's draft then waited for
     drafted_ahead: bool | None = None

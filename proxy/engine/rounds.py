@@ -110,6 +110,7 @@ class Rounds:
             verify_back_ms=(back - started) * 1e3,
             drafter_idle_ms=run_ms,
             n_run_tokens=len(run.tokens),
+            drafter_busy=self.drafts.busy_since(sent),
         )
         record.server_idle_ms = (started + record.verify_sent_ms / 1e3 - loop.last_back) * 1e3
         loop.last_back = started + record.verify_back_ms / 1e3

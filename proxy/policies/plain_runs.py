@@ -167,7 +167,7 @@ class PlainRunGate:
         speculative round the drafter's own speed, which tells a drafter too slow to win
         apart."""
         if record.plain_run:
-            self._observe_run(record.verify_ms, record.n_run_tokens)
+            self._observe_run(record.verify_ms, record.n_run_tokens, record.drafter_busy)
             return
         if record.catch_up:
             self._observe_catch_up(record.round_ms, record.n_committed)
@@ -258,9 +258,14 @@ class PlainRunGate:
         affordable = int(self._probe_loss_ms / (PROBE_BUDGET * plain))
         return min(max(doubled, affordable), PROBE_SPEC_AFTER_CAP)
 
-    def _observe_run(self, run_ms: float, n_tokens: int) -> None:
-        """A plain run of n_tokens (all it wrote, also past where the output stopped)."""
-        self._plain.add(run_ms, n_tokens)
+    def _observe_run(self, run_ms: float, n_tokens: int, drafter_busy: bool = False) -> None:
+        """A plain run of n_tokens (all it wrote, also past where the output stopped).
+        One beside the drafter's background work is no plain speed: a CPU drafter taking
+        in a long context starves the server's host threads (on the H200's host, plain
+        runs beside a 4k prefill measured 150 ms a token instead of 10), and a plain
+        rate that slow let losing speculation look close to it."""
+        if not drafter_busy:
+            self._plain.add(run_ms, n_tokens)
         self._plain_tokens_since_probe += n_tokens
         self._spec_tokens_since_probe = 0
         if not self._rule_out_if_hopeless() and len(self._spec) >= MIN_SPEC_ROUNDS:

@@ -708,18 +708,26 @@ async def test_a_timing_draft_reports_even_after_its_generation_ended_without_ho
     session = SlowSyncSession(sync_s=0.4)
     source = DraftSource(AsyncSessionDrafter(session), always)
     reported: list[float] = []
+    before = time.perf_counter()
+    assert not source.busy_since(before)
     source.start_timing(list(range(50)), 4, reported.append)
     await asyncio.sleep(0.05)  # the plain runs of a short answer
+    assert source.busy_since(time.perf_counter())  # a plain run now is no plain speed
     started = time.perf_counter()
     await source.close()
     assert time.perf_counter() - started < 0.2  # the response is not held
     assert not reported and not session.closed
+    # the next generation's plain runs: the closing session still works beside them
+    assert DraftSource(None, always).busy_since(time.perf_counter())
     for _ in range(100):
         if session.closed:
             break
         await asyncio.sleep(0.02)
     assert len(reported) == 1 and reported[0] >= 0.0  # ms per drafted token
     assert session.closed  # and the session was closed after it
+    await asyncio.sleep(0)  # the closing task's own end
+    assert source.busy_since(before) and not source.busy_since(time.perf_counter())
+    assert not DraftSource(None, always).busy_since(time.perf_counter())
 
 
 async def test_a_draft_waits_for_the_timing_draft_and_reuses_its_line():

@@ -298,3 +298,22 @@ def test_requests_pass_through_while_plain_is_chosen_with_re_measuring_ones_betw
     assert served[0] == PASS_REQUESTS
     assert gaps[0] == 2 * PASS_REQUESTS and max(gaps) == PASS_REQUESTS_MAX
     assert not PlainRunGate("off").pass_through()
+
+
+def test_plain_runs_beside_the_drafters_background_work_are_no_plain_speed():
+    """On the H200's host a CPU drafter taking in a 4k context made plain runs beside it
+    15 times slower; measured as the plain speed, that let losing speculation look
+    close. Such runs decode on, but the gate waits for a run with the drafter idle."""
+    gate = PlainRunGate("auto")
+    n = gate.run_tokens
+    for _ in range(3):  # the drafter still takes in the context
+        assert gate.measuring_first() and gate.decide() == n
+        busy = plain_run(n * 150.0, n)
+        busy.drafter_busy = True
+        gate.observe(busy)
+    gate.observe_drafter(12.0)  # its speed arrives: not enough to rule it out at 150 ms
+    assert gate.measuring_first() and gate.decide() == n  # still no plain speed
+    gate.observe(plain_run(n * 10.0, n))
+    assert not gate.measuring_first()
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=60.0)
+    assert gate.prefers_plain()  # against the true plain speed, at once
