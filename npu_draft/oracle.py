@@ -59,6 +59,7 @@ from npu_draft.protocol import (
 )
 
 ORACLE_FILE = "oracle.json"
+_OWN_WINDOW = 256  # positions behind the sequence's end where its own drafts are kept
 QWEN_VOCAB = 151936
 _MASK64 = (1 << 64) - 1
 
@@ -173,7 +174,10 @@ class OracleDraftSession:
         self._tokens: list[int] = []
         self._ref: Reference | None = None  # the reference the prompt belongs to
         self._on_path = 0  # leading tokens of the sequence that lie on _ref
-        self._synced = 0  # length of the sequence given by the last sync (the rest: drafts)
+        self._synced = 0  # length of the sequence given by the last sync
+        # (position, token) of its own drafts past the path's end, also of lines a later
+        # sync left (side lines move the session, and a proxy syncs back)
+        self._own: set[tuple[int, int]] = set()
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -190,6 +194,10 @@ class OracleDraftSession:
         self._synced = len(new)
         if self._ref is not None:
             self._on_path = self._ref.matched(new, min(self._on_path, reused))
+            # its own drafts stay its drafts where the new sequence holds them (a proxy
+            # syncing back to a line it drafted, after side lines): it drafts on after a
+            # wrong one of them; those far behind the sequence's end no longer matter
+            self._own = {(i, t) for i, t in self._own if i >= len(new) - _OWN_WINDOW}
         return SyncStats(reused=reused, appended=len(new) - reused)
 
     def _locate(self) -> tuple[Reference, int] | None:
@@ -209,12 +217,16 @@ class OracleDraftSession:
 
     def _place(self, ref: Reference, on_path: int) -> tuple[Reference, int] | None:
         """Where the sequence stands on `ref` (of which `on_path` leading tokens lie on
-        it): on the path, or drafting on after a wrong token (one of its own drafts since
-        the last sync, or the last synced token: a guessed correction)."""
+        it): on the path, or drafting on after a wrong token (one of its own drafts, or
+        the last synced token: a guessed correction)."""
         position = ref.position(self._tokens, on_path)
         if position is not None:
             return ref, position
-        if max(len(ref.prompt), self._synced - 1) <= on_path < len(self._tokens):
+        tokens = self._tokens
+        wrong_own = on_path == self._synced - 1 or (
+            on_path < len(tokens) and (on_path, tokens[on_path]) in self._own
+        )
+        if len(ref.prompt) <= on_path < len(self._tokens) and wrong_own:
             return ref, len(self._tokens) - len(ref.prompt)
         return None
 
@@ -244,8 +256,11 @@ class OracleDraftSession:
                 draft.dists.append(
                     SparseDist(np.array([token], np.int64), np.array([1.0], np.float64))
                 )
+        start = len(self._tokens)
         self._tokens.extend(draft.tokens)
         self._on_path = ref.matched(self._tokens, self._on_path)
+        first = max(start, self._on_path)
+        self._own.update((i, self._tokens[i]) for i in range(first, len(self._tokens)))
         return draft
 
     def second_choice(self) -> int | None:
@@ -270,6 +285,7 @@ class OracleDraftSession:
         self._ref = None
         self._on_path = 0
         self._synced = 0
+        self._own = set()
 
 
 class OracleDraftModel:

@@ -292,6 +292,11 @@ def run(args: argparse.Namespace) -> int:
     if "proxy" in options.modes and options.drafter is None:
         log.error("the proxy mode needs --drafter (or --models)")
         return 2
+    names = {name for name, _ in options.proxy_variants}
+    unknown = sorted(set(options.proxy_mode_variants or ()) - names)
+    if unknown:
+        log.error("--proxy-mode-variants %s: no such --proxy-variant", ",".join(unknown))
+        return 2
     if options.oracle_delay_steps is not None and not options.ceiling_ks:
         log.error("--oracle-delay-steps needs the plain step: give --ceiling-ks (not 'none')")
         return 2

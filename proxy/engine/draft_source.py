@@ -50,7 +50,7 @@ class DraftSource:
         # a draft made only to time the drafter (`start_timing`), while the server
         # decodes alone, and when it ended (perf_counter s)
         self._timing: asyncio.Task[DraftOutcome] | None = None
-        self._timing_ended: float | None = None
+        self._timing_span: tuple[float, float | None] | None = None
 
     @property
     def available(self) -> bool:
@@ -133,6 +133,8 @@ class DraftSource:
                 # drafted ahead; the rest it drafted itself, after the verification
                 early_own = drafted.fresh  # with a token cut by the stop rule
                 again.reused = max(0, again.reused - early_own)
+                # where the round's drafts started is what the early draft found
+                again.resynced, again.from_side = drafted.resynced, drafted.from_side
             return again, again_dists, again_ms
         drafted.tokens, drafted.probs = drafted.tokens[:k], drafted.probs[:k]
         return drafted, dists, (time.perf_counter() - started) * 1e3
@@ -145,9 +147,11 @@ class DraftSource:
         if k <= 0 or self.drafter is None or self._timing is not None:
             return
         task = asyncio.create_task(self.draft(committed, k))
+        started = time.perf_counter()
+        self._timing_span = (started, None)
 
         def done(task: asyncio.Task[DraftOutcome]) -> None:
-            self._timing_ended = time.perf_counter()
+            self._timing_span = (started, time.perf_counter())
             if task.cancelled() or task.exception() is not None:
                 return
             draft, _dists, waited_ms = task.result()
@@ -160,15 +164,18 @@ class DraftSource:
         self._timing = task
 
     def busy_since(self, start: float) -> bool:
-        """Whether the drafter worked in the background at some time after `start`
-        (perf_counter s): this generation's timing draft, or a session of an earlier
-        generation still closing after its own."""
-        timing = self._timing
-        if timing is not None and not timing.done():
+        """Whether the drafter did real work in the background after `start`
+        (perf_counter s): this generation's timing draft, unless it took too little
+        time to matter (a model-free drafter), or a session of an earlier generation
+        still closing after its own timing draft."""
+        if any(not task.done() for task in _closing):
             return True
-        if self._timing_ended is not None and self._timing_ended > start:
-            return True
-        return any(not task.done() for task in _closing)
+        if self._timing_span is None:
+            return False
+        began, ended = self._timing_span
+        if ended is None:
+            return time.perf_counter() - began >= _BUSY_MIN_S
+        return ended > start and ended - began >= _BUSY_MIN_S
 
     async def _end_timing(self) -> None:
         """Wait for a running timing draft: one draft at a time on the session."""
@@ -266,6 +273,7 @@ async def _propose_sampled(
 
 
 _closing: set[asyncio.Task[None]] = set()  # draft sessions closing after a timing draft
+_BUSY_MIN_S = 0.02  # background drafting shorter than this disturbs no plain run
 
 
 async def _close_after(timing: asyncio.Task[DraftOutcome], drafter: AsyncDrafter) -> None:

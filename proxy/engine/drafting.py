@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -26,6 +27,8 @@ import numpy as np
 
 from npu_draft.protocol import CancelToken, Draft, DraftSession, SamplingParams
 from npu_draft.sampling import choose_token
+
+log = logging.getLogger(__name__)
 
 # worth(position, cumulative_probability) -> draft this position?  (position is 1-based)
 StopRule = Callable[[int, float], bool]
@@ -179,16 +182,21 @@ class _Line:
         n = len(committed)
         for seq, probs, runner_ups in self.sides:
             base = len(seq) - len(probs)
-            if base <= n <= len(seq) and seq[:n] == list(committed):
+            # side lines share the committed part `seq[:start]` with the main line
+            if base <= n <= len(seq) and _same(seq, committed, self.start):
                 return seq, base, probs, runner_ups
         return None
+
+    def sync(self, session: DraftSession) -> None:
+        """Bring the session's cache back to `seq` (after side lines moved it)."""
+        if not self.synced:
+            session.sync(self.seq)
+            self.synced = True
 
     def step(self, session: DraftSession) -> tuple[int, float] | None:
         """Draft one more token (keeping the draft's second choice there once side lines
         are asked for); None when the session proposes none."""
-        if not self.synced:
-            session.sync(self.seq)
-            self.synced = True
+        self.sync(session)
         second = self._runner_up(session) if self.keep_runner_ups else None
         draft = session.propose(1)
         if not draft.tokens:
@@ -207,16 +215,18 @@ class _Line:
         build on the drafter thread while the proxy parses a verify response), else
         from its logits; a drafter without logits (the n-gram one) has none, and side
         lines are then never drafted."""
-        second_choice = getattr(session, "second_choice", None)
-        if callable(second_choice):
-            choice = second_choice()
-            return None if choice is None else int(choice)
         try:
-            logits = session.next_logits()
+            second_choice = getattr(session, "second_choice", None)
+            if callable(second_choice):
+                choice = second_choice()
+                return None if choice is None else int(choice)
+            return _second_choice(session.next_logits())
         except NotImplementedError:
             self.keep_runner_ups, self.lacks_logits = False, True
-            return None
-        return _second_choice(logits)
+        except Exception:  # side lines are only speed: the drafting goes on without them
+            log.warning("the draft's runner-up failed; no side lines", exc_info=True)
+            self.keep_runner_ups, self.lacks_logits = False, True
+        return None
 
     def draft_sides(self, session: DraftSession, plan: SidePlan, cancel: CancelToken) -> int:
         """Side lines while the server verifies `seq[start:start + plan.verified]`:
@@ -225,7 +235,8 @@ class _Line:
         runner-ups, for the side lines of the round after); returns the tokens drafted.
         The session's cache is left on the last side line."""
         made = 0
-        main = (self.seq, self.probs, self.runner_ups)
+        main = (self.seq, self.probs, self.runner_ups, self.synced)
+        moved = False  # whether the session's cache left the main line
         try:
             for index in range(self.start, min(self.start + plan.verified + 1, len(main[0]))):
                 if len(self.sides) >= plan.lines or cancel.cancelled:
@@ -235,15 +246,16 @@ class _Line:
                     continue
                 base = [*main[0][:index], correction]
                 self.seq, self.probs, self.runner_ups = base, [], {}
-                self.synced = False
+                self.synced, moved = False, True
                 for _ in range(plan.length):
                     if cancel.cancelled or self.step(session) is None:
                         break
                     made += 1
-                self.sides.append((self.seq, self.probs, self.runner_ups))
+                if self.probs:  # a side line with nothing drafted is no line to start on
+                    self.sides.append((self.seq, self.probs, self.runner_ups))
         finally:
-            self.seq, self.probs, self.runner_ups = main
-            self.synced = False
+            self.seq, self.probs, self.runner_ups, self.synced = main
+            self.synced = self.synced and not moved
         return made
 
 
@@ -311,6 +323,7 @@ class AsyncSessionDrafter(DrafterBase):
                 if from_line:
                     token, prob = ready[position - 1]
                 else:  # every ready token is used: the line ends where we draft
+                    line.sync(session)  # back from a side line: not the drafter's step time
                     started = time.perf_counter()
                     stepped = line.step(session)
                     if stepped is None:

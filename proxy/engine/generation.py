@@ -10,6 +10,7 @@ limits) is mirrored in `proxy.engine.server_text`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -64,6 +65,8 @@ class Generation:
         self.slot_file = slot_file
         self.policies = policies or Policies.fresh(settings.k, settings.adaptive, settings.overlap)
         self.result: GenerationResult | None = None
+        # emptying the slots of a generation that ended with plain decoding chosen
+        self.releasing: asyncio.Task[list[int]] | None = None
 
     async def run(self) -> AsyncIterator[TokenEvent]:
         loop = LoopState(
@@ -85,8 +88,8 @@ class Generation:
                     yield event
         finally:
             await rounds.drafts.close()
-        await rounds.release_slots()
         self._finish(loop, rounds)
+        self.releasing = rounds.release_slots()
 
     async def _rounds(self) -> Rounds:
         """This generation's round machinery: decode counting (read once now), the

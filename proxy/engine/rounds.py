@@ -3,6 +3,7 @@ steps, draft -> verify -> accept -> commit -> record."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.engine.slot_copies import FirstRound, SlotCopies
 from proxy.policies import Policies
 from proxy.server.upstream import PlainRun, UpstreamClient, VerifyResult
+
+_releasing: set[asyncio.Task[list[int]]] = set()  # slot releases still running
 
 
 @dataclass
@@ -258,6 +261,7 @@ class Rounds:
             fresh_ms=drafted.fresh_ms,
             resynced=drafted.resynced,
             from_side=drafted.from_side,
+            after_ahead=bool(loop.rounds and loop.rounds[-1].drafted_ahead),
             drafted_ahead=round_.drafted_ahead,
         )
         loop.last_back = round_.verify_back
@@ -266,11 +270,16 @@ class Rounds:
         self._close_round(loop, record)
         loop.after_run = round_.plan.one_slot
 
-    async def release_slots(self) -> None:
+    def release_slots(self) -> asyncio.Task[list[int]] | None:
         """Once plain decoding is the gate's choice, empty the slots this generation
-        filled, but the one holding its context (`SlotCopies.release`)."""
-        if self.policies.prefers_plain():
-            await self.slots.release(self.used_slots, self.context_slot)
+        filled, but the one holding its context (`SlotCopies.release`), in the
+        background: the response does not wait for it."""
+        if not self.policies.prefers_plain():
+            return None
+        task = asyncio.create_task(self.slots.release(self.used_slots, self.context_slot))
+        _releasing.add(task)
+        task.add_done_callback(_releasing.discard)
+        return task
 
     def _close_round(self, loop: LoopState, record: RoundRecord) -> None:
         loop.rounds.append(record)

@@ -48,14 +48,19 @@ class SlotReplicator:
             log.warning("slot save/restore unavailable (%s); prefilling in the batch", exc)
             return []
 
-    async def erase(self, slots: list[int]) -> None:
-        """Empty these slots' caches (a slot busy with another task is emptied when it is
-        done, by the server). Only speed depends on it: a failure is logged and ignored."""
-        for id_slot in slots:
-            try:
+    async def erase_idle(self, slots: set[int]) -> list[int]:
+        """Empty the caches of those of `slots` that are idle now (a busy one may serve
+        another request already); returns the ids erased. Only speed depends on it: a
+        failure is logged and ends the erasing."""
+        erased: list[int] = []
+        try:
+            idle = {s["id"] for s in await self.upstream.slots() if not s.get("is_processing")}
+            for id_slot in sorted(slots & idle):
                 await self.upstream.slot_action(id_slot, "erase", "")
-            except (UpstreamClientError, UpstreamError) as exc:
-                log.debug("erasing slot %d failed: %s", id_slot, exc)
+                erased.append(id_slot)
+        except (UpstreamClientError, UpstreamError) as exc:
+            log.info("emptying idle slots failed (%s); plain decoding may run slower", exc)
+        return erased
 
 
 @dataclass(frozen=True)
@@ -126,13 +131,14 @@ class SlotCopies:
         copied = await replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
         self.filled.update(copied)
 
-    async def release(self, used: set[int], keep: int) -> None:
+    async def release(self, used: set[int], keep: int) -> list[int]:
         """Empty the slots this generation filled or verified in, all but `keep` (the one
         that holds its whole context, for the conversation's next turn). Called when the
         gate has chosen plain decoding: the next requests pass through, and with unified
         KV every decode step of theirs would attend over the cells these slots hold
         (masked, but read), which makes plain decoding on this server slower than on
         llama-server alone."""
-        stale = sorted((used | self.filled) - {keep, -1})
-        if self.replicator is not None and self.replicator.available and stale:
-            await self.replicator.erase(stale)
+        stale = (used | self.filled) - {keep, -1}
+        if self.replicator is None or not self.replicator.available or not stale:
+            return []
+        return await self.replicator.erase_idle(stale)

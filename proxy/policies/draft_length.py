@@ -105,7 +105,6 @@ class DraftLengthPolicy:
         # hold, the share a side line held (proxy.engine.drafting.SidePlan; 0 without)
         self.side_share = 0.0
         self._side_samples = 0
-        self._after_ahead = False
 
     def decide(self, ahead: bool, upcoming: int = 0) -> tuple[int, int]:
         """(the most drafts the next round should send, the most where it drafts them
@@ -324,11 +323,11 @@ class DraftLengthPolicy:
         one whose slots catch up after plain runs says nothing about the draft length."""
         probs = record.draft_probs
         n = len(probs)  # prompts - 1: what the verify time follows
-        after_ahead, self._after_ahead = self._after_ahead, bool(record.drafted_ahead)
         if record.plain_run or record.first or record.catch_up or not n:
-            self._after_ahead = False
             return
-        if after_ahead and (record.resynced or record.from_side):  # the main line missed
+        # after a round of the same generation that drafted ahead (concurrent requests
+        # share this policy), where the main line missed
+        if record.after_ahead and (record.resynced or record.from_side):
             self._side_samples += 1
             weight = max(1.0 / self._side_samples, _ACCEPT_ALPHA)  # a plain mean at first
             self.side_share = _ema(self.side_share, float(record.from_side), weight)

@@ -343,4 +343,6 @@ async def generate(
     )  # fmt: skip
     tokens = [event.token async for event in generation.run()]
     assert generation.result is not None
+    if generation.releasing is not None:  # the slots it empties in the background
+        await generation.releasing
     return tokens, generation.result

@@ -234,12 +234,12 @@ async def test_oracle_side_lines_follow_the_truth_where_the_runner_up_hits():
         await drafter.close()
 
 
-def _round(*, ahead: bool, resynced: bool, from_side: bool, accepted: int = 1) -> RoundRecord:
+def _round(*, after: bool, resynced: bool, from_side: bool, accepted: int = 1) -> RoundRecord:
     return RoundRecord(
         n_drafted=3, n_accepted=accepted, n_committed=accepted + 1, draft_ms=1.0,
         verify_ms=20.0, overhead_ms=1.0, round_ms=22.0, draft_probs=[0.9, 0.8, 0.7],
         fresh_tokens=0 if from_side else 3, fresh_ms=0.0 if from_side else 3.0,
-        resynced=resynced, from_side=from_side, drafted_ahead=ahead,
+        resynced=resynced, from_side=from_side, drafted_ahead=True, after_ahead=after,
     )  # fmt: skip
 
 
@@ -247,53 +247,15 @@ def test_the_length_policy_measures_how_often_a_side_line_is_ready():
     policy = DraftLengthPolicy(6)
     a = 0.7
     assert policy.ready_chance(a, 3) == pytest.approx(a**4)  # none measured
-    policy.observe(_round(ahead=True, resynced=True, from_side=False))
-    for _ in range(3):  # after drafting ahead: a side line, a miss, a side line
-        policy.observe(_round(ahead=True, resynced=False, from_side=True))
-        policy.observe(_round(ahead=True, resynced=True, from_side=False))
+    for _ in range(3):  # after drafting ahead: a side line, a miss
+        policy.observe(_round(after=True, resynced=False, from_side=True))
+        policy.observe(_round(after=True, resynced=True, from_side=False))
     assert policy.side_share == pytest.approx(0.5)
     # a main-line hit says nothing about side lines
-    policy.observe(_round(ahead=True, resynced=False, from_side=False, accepted=3))
+    policy.observe(_round(after=True, resynced=False, from_side=False, accepted=3))
     assert policy.side_share == pytest.approx(0.5)
     assert policy.ready_chance(a, 3) == pytest.approx(a**4 + (1 - a**4) * 0.5)
-    # a round after one that did not draft ahead had no side lines to find
-    policy.observe(_round(ahead=False, resynced=False, from_side=False, accepted=3))
-    policy.observe(_round(ahead=True, resynced=True, from_side=False))
+    # a round after one (of its own generation) that did not draft ahead had no side
+    # lines to find
+    policy.observe(_round(after=False, resynced=True, from_side=False))
     assert policy.side_share == pytest.approx(0.5)
-
-
-async def test_a_drafter_without_logits_drafts_no_side_lines():
-    """The n-gram drafter has no logits: side lines are asked for, none are drafted,
-    and drafting ahead on the main line goes on as without them."""
-
-    class NoLogits(LogitSession):
-        asked = 0
-
-        def next_logits(self) -> np.ndarray:
-            NoLogits.asked += 1
-            raise NotImplementedError("no logits")
-
-    drafter = AsyncSessionDrafter(NoLogits())
-    plan = SidePlan(verified=3, lines=4, length=3)
-    try:
-        committed = [1, 2]
-        drafted = await drafter.draft(committed, 3, always)
-        for _ in range(3):
-            await drafter.extend(4, CancelToken(), plan)
-            line = [*committed, *drafted.tokens]
-            committed = [*line, best(line)]
-            drafted = await drafter.draft(committed, 3, always)
-            assert drafted.reused == 3 and not drafted.from_side
-        assert NoLogits.asked == 1  # asked once, then never again
-    finally:
-        await drafter.close()
-
-
-def test_second_choice_leaves_the_logits_as_they_were():
-    from proxy.engine.drafting import _second_choice
-
-    logits = np.array([0.5, 3.0, 2.0, -1.0], dtype=np.float32)
-    assert _second_choice(logits) == 2
-    assert logits.tolist() == [0.5, 3.0, 2.0, -1.0]
-    logits.flags.writeable = False  # e.g. a runtime's own output buffer
-    assert _second_choice(logits) == 2
