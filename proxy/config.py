@@ -51,7 +51,7 @@ class ProxySettings(BaseSettings):
         "the proxy commits the round's tokens (else when the next round starts)",
     )
     side_lines: int = Field(
-        3,
+        0,
         ge=0,
         le=16,
         description="side lines drafted while the server verifies, after the line that "

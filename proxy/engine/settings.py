@@ -34,7 +34,7 @@ class EngineSettings:
     early_draft: bool = True
     # greedy: side lines drafted after the main line while the server verifies, for the
     # likeliest rejections (proxy.engine.drafting.SidePlan); 0: none
-    side_lines: int = 3
+    side_lines: int = 0
     check_decodes: bool = False  # count the server's decodes per round; warn when not one
     strict_decodes: bool = False  # ... and fail the generation instead (implies checking)
 
