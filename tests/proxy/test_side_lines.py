@@ -9,75 +9,41 @@ import numpy as np
 import pytest
 
 from npu_draft.oracle import OracleConfig, OracleDraftModel, drafted_token, runner_up_token
-from npu_draft.protocol import GREEDY, CancelToken, Draft, SamplingParams, SyncStats
+from npu_draft.protocol import CancelToken, SyncStats
 from proxy.engine import RoundRecord
 from proxy.engine.drafting import AsyncSessionDrafter, SidePlan, always
 from proxy.policies import DraftLengthPolicy
+from tests.proxy.test_overlap_units import CountingSession, expected_draft, next_token
 
-VOCAB = 97
-
-
-def best(tokens: Sequence[int]) -> int:
-    return (tokens[-1] * 7 + len(tokens)) % VOCAB
+VOCAB = 97  # CountingSession's drafts are ids below it
+best = next_token  # the fake draft's first choice after a sequence
 
 
 def second(tokens: Sequence[int]) -> int:
     return (best(tokens) + 1) % VOCAB
 
 
-def line_after(committed: Sequence[int], n: int) -> list[int]:
-    line = list(committed)
-    for _ in range(n):
-        line.append(best(line))
-    return line[len(committed) :]
+line_after = expected_draft
 
 
-class LogitSession:
-    """Greedy draft = `best(sequence)`, runner-up `second(sequence)`; counts the
-    tokens it runs through the model (a sync feeds what differs from its sequence)."""
-
-    def __init__(self) -> None:
-        self._tokens: list[int] = []
-        self.computed = 0
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        return self._tokens
+class LogitSession(CountingSession):
+    """CountingSession with logits (`best` first, `second` next); a sync counts only
+    the tokens it runs through the model (what differs from its sequence)."""
 
     def sync(self, tokens: Sequence[int]) -> SyncStats:
+        old = list(self.tokens)
         keep = 0
-        while keep < min(len(tokens), len(self._tokens)) and tokens[keep] == self._tokens[keep]:
+        while keep < min(len(tokens), len(old)) and tokens[keep] == old[keep]:
             keep += 1
-        self._tokens = list(tokens)
+        stats = super().sync(tokens)
         self.computed += len(tokens) - keep
-        return SyncStats(reused=keep, appended=len(tokens) - keep)
-
-    def propose(
-        self,
-        k: int,
-        sampling: SamplingParams = GREEDY,
-        rng: np.random.Generator | None = None,
-        cancel: CancelToken | None = None,
-    ) -> Draft:
-        draft = Draft()
-        for _ in range(k):
-            if cancel is not None and cancel.cancelled:
-                break
-            token = best(self._tokens)
-            self._tokens.append(token)
-            draft.tokens.append(token)
-            draft.probs.append(0.8)
-            self.computed += 1
-        return draft
+        return stats
 
     def next_logits(self) -> np.ndarray:
         logits = np.zeros(VOCAB, dtype=np.float32)
-        logits[second(self._tokens)] = 1.0
-        logits[best(self._tokens)] = 2.0
+        logits[second(self.tokens)] = 1.0
+        logits[best(self.tokens)] = 2.0
         return logits
-
-    def close(self) -> None:
-        pass
 
 
 async def _round_with_sides(
@@ -259,3 +225,40 @@ def test_the_length_policy_measures_how_often_a_side_line_is_ready():
     # lines to find
     policy.observe(_round(after=False, resynced=True, from_side=False))
     assert policy.side_share == pytest.approx(0.5)
+
+
+async def test_a_drafter_without_logits_drafts_no_side_lines():
+    """The n-gram drafter has no logits: side lines are asked for, none are drafted,
+    and drafting ahead on the main line goes on as without them."""
+
+    class NoLogits(LogitSession):
+        asked = 0
+
+        def next_logits(self) -> np.ndarray:
+            NoLogits.asked += 1
+            raise NotImplementedError("no logits")
+
+    drafter = AsyncSessionDrafter(NoLogits())
+    plan = SidePlan(verified=3, lines=4, length=3)
+    try:
+        committed = [1, 2]
+        drafted = await drafter.draft(committed, 3, always)
+        for _ in range(3):
+            await drafter.extend(4, CancelToken(), plan)
+            line = [*committed, *drafted.tokens]
+            committed = [*line, best(line)]
+            drafted = await drafter.draft(committed, 3, always)
+            assert drafted.reused == 3 and not drafted.from_side
+        assert NoLogits.asked == 1  # asked once, then never again
+    finally:
+        await drafter.close()
+
+
+def test_second_choice_leaves_the_logits_as_they_were():
+    from proxy.engine.drafting import _second_choice
+
+    logits = np.array([0.5, 3.0, 2.0, -1.0], dtype=np.float32)
+    assert _second_choice(logits) == 2
+    assert logits.tolist() == [0.5, 3.0, 2.0, -1.0]
+    logits.flags.writeable = False  # e.g. a runtime's own output buffer
+    assert _second_choice(logits) == 2
