@@ -3,7 +3,8 @@ verifies (proxy.engine.drafting.SidePlan), with the oracle drafter and a countin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 import pytest
@@ -46,27 +47,31 @@ class LogitSession(CountingSession):
         return logits
 
 
-async def _round_with_sides(
-    session: LogitSession, committed: list[int], plan: SidePlan
-) -> tuple[AsyncSessionDrafter, list[int]]:
-    """A first round of 3 drafts, then drafting ahead with `plan` (the first drafts of
-    a generation keep no runner-ups: one round arms them)."""
+@contextlib.asynccontextmanager
+async def round_with_sides(
+    committed: list[int], plan: SidePlan
+) -> AsyncIterator[tuple[LogitSession, AsyncSessionDrafter, list[int]]]:
+    """(session, drafter, line) after a first round of 3 drafts and one more whose
+    verification drafted ahead with `plan` (the first drafts of a generation keep no
+    runner-ups: one round arms them); the drafter is closed after."""
+    session = LogitSession()
     drafter = AsyncSessionDrafter(session)
-    await drafter.draft(committed, 3, always)
-    await drafter.extend(4, CancelToken(), plan)  # arms runner-ups from here on
-    drafted = line_after(committed, 3)
-    bonus_line = [*committed, *drafted, best([*committed, *drafted])]
-    ahead = await drafter.draft(bonus_line, 3, always)  # all accepted: the main line
-    assert ahead.reused == 3 and not ahead.from_side
-    await drafter.extend(4, CancelToken(), plan)
-    return drafter, [*bonus_line, *ahead.tokens]
+    try:
+        await drafter.draft(committed, 3, always)
+        await drafter.extend(4, CancelToken(), plan)  # arms runner-ups from here on
+        drafted = line_after(committed, 3)
+        bonus_line = [*committed, *drafted, best([*committed, *drafted])]
+        ahead = await drafter.draft(bonus_line, 3, always)  # all accepted: the main line
+        assert ahead.reused == 3 and not ahead.from_side
+        await drafter.extend(4, CancelToken(), plan)
+        yield session, drafter, [*bonus_line, *ahead.tokens]
+    finally:
+        await drafter.close()
 
 
 async def test_a_rejection_whose_correction_is_the_runner_up_starts_on_its_side_line():
-    session = LogitSession()
     plan = SidePlan(verified=3, lines=4, length=3)
-    drafter, line = await _round_with_sides(session, [1, 2, 3], plan)
-    try:
+    async with round_with_sides([1, 2, 3], plan) as (session, drafter, line):
         n_committed = len(line) - 3  # the round verifies line[-3:]
         for j in range(3):  # a rejection at draft j + 1, corrected to the runner-up
             base = line[: n_committed + j]
@@ -80,15 +85,11 @@ async def test_a_rejection_whose_correction_is_the_runner_up_starts_on_its_side_
             await drafter.extend(4, CancelToken(), plan)
             line = [*committed, *taken.tokens]
             n_committed = len(committed)
-    finally:
-        await drafter.close()
 
 
 async def test_the_bonus_guess_has_a_side_line_and_the_main_line_still_hits():
-    session = LogitSession()
     plan = SidePlan(verified=3, lines=4, length=3)
-    drafter, line = await _round_with_sides(session, [4, 5], plan)
-    try:
+    async with round_with_sides([4, 5], plan) as (_session, drafter, line):
         # all 3 accepted, the bonus is not the guess but its runner-up
         committed = [*line, second(line)]
         taken = await drafter.draft(committed, 3, always)
@@ -103,29 +104,21 @@ async def test_the_bonus_guess_has_a_side_line_and_the_main_line_still_hits():
         assert not taken.from_side and not taken.resynced
         longer = await drafter.draft(bonus, 6, always)  # past what was drafted ahead
         assert longer.tokens == line_after(bonus, 6)
-    finally:
-        await drafter.close()
 
 
 async def test_a_correction_no_line_guessed_resyncs():
-    session = LogitSession()
     plan = SidePlan(verified=3, lines=4, length=3)
-    drafter, line = await _round_with_sides(session, [9, 9], plan)
-    try:
+    async with round_with_sides([9, 9], plan) as (_session, drafter, line):
         base = line[:-2]
         committed = [*base, (second(base) + 5) % VOCAB]
         taken = await drafter.draft(committed, 3, always)
         assert taken.resynced and not taken.from_side and taken.reused == 0
         assert taken.tokens == line_after(committed, 3)
-    finally:
-        await drafter.close()
 
 
 async def test_side_lines_stop_at_the_plan_and_when_cancelled():
-    session = LogitSession()
     plan = SidePlan(verified=3, lines=1, length=3)
-    drafter, line = await _round_with_sides(session, [1, 2], plan)
-    try:
+    async with round_with_sides([1, 2], plan) as (session, drafter, line):
         n_committed = len(line) - 3
         # one line only: the rejection at the first draft
         after_second = [*line[: n_committed + 1], second(line[: n_committed + 1])]
@@ -140,8 +133,6 @@ async def test_side_lines_stop_at_the_plan_and_when_cancelled():
         computed = session.computed
         assert await drafter.extend(4, cancel, SidePlan(3, 4, 3)) == 0
         assert session.computed == computed
-    finally:
-        await drafter.close()
 
 
 async def test_no_side_lines_asks_no_logits():
