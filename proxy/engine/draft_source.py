@@ -185,7 +185,7 @@ class DraftSource:
             await asyncio.gather(task, return_exceptions=True)
 
     def start_ahead(
-        self, n_tokens: Callable[[], int], sides: Callable[[], SidePlan | None] | None = None
+        self, n_tokens: Callable[[], int], sides: Callable[[], SidePlan] | None = None
     ) -> None:
         """While the server verifies, keep drafting the line as if all is accepted:
         `n_tokens()` more (asked when drafting starts), then the side lines `sides()`
@@ -198,11 +198,7 @@ class DraftSource:
 
         async def run() -> None:
             try:
-                plan = sides() if sides is not None else None
-                if plan is None:
-                    await drafter.extend(n_tokens(), cancel)
-                else:
-                    await drafter.extend(n_tokens(), cancel, plan)
+                await drafter.extend(n_tokens(), cancel, sides() if sides else None)
             except asyncio.CancelledError:
                 raise
             except Exception:

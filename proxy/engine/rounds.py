@@ -75,8 +75,6 @@ class Rounds:
         self.slots = slots
         self.decodes = decodes
         self.observer = observer
-        self.used_slots: set[int] = set()  # every slot a verify batch or plain run used
-        self.context_slot = -1  # the slot that holds the most of the committed context
 
     def plain_run_length(self, loop: LoopState) -> int:
         """Tokens the server should decode alone next (0: a speculative round); never
@@ -119,8 +117,7 @@ class Rounds:
         loop.last_back = started + record.verify_back_ms / 1e3
         loop.lag += len(run.tokens)
         loop.context_slot = run.id_slot
-        self.used_slots.add(run.id_slot)
-        self.context_slot = run.id_slot
+        self.slots.used([run.id_slot], run.id_slot)
         for event in events:
             yield event
         record.decodes, record.prompt_tokens = await self.decodes.round_delta()
@@ -150,9 +147,9 @@ class Rounds:
         await self._draft(loop, round_)
         await self._verify(loop, round_)
         round_.acceptance = self.rule.accept(round_.drafted.tokens, round_.dists, round_.results)
-        self.used_slots.update(r.id_slot for r in round_.results)
         # the prompt that ends at the last accepted draft: its slot holds the most
-        self.context_slot = round_.results[round_.acceptance.n_accepted].id_slot
+        fullest = round_.results[round_.acceptance.n_accepted].id_slot
+        self.slots.used((r.id_slot for r in round_.results), fullest)
         # the next round's committed sequence is known: its draft may start now (not
         # after a round that filled one slot: plain runs come next)
         n_next = len(round_.acceptance.tokens)
@@ -276,7 +273,7 @@ class Rounds:
         background: the response does not wait for it."""
         if not self.policies.prefers_plain():
             return None
-        task = asyncio.create_task(self.slots.release(self.used_slots, self.context_slot))
+        task = asyncio.create_task(self.slots.release())
         _releasing.add(task)
         task.add_done_callback(_releasing.discard)
         return task

@@ -113,12 +113,10 @@ class GreedyRule:
             def next_length() -> int:
                 return draft_length.decide(True, upcoming=1)[0]
 
-            def sides() -> SidePlan | None:
-                if not self.side_lines:
-                    return None
+            def sides() -> SidePlan:
                 return SidePlan(n_drafted, self.side_lines, next_length())
 
-            self.drafts.start_ahead(lambda: next_length() + 1, sides)
+            self.drafts.start_ahead(lambda: next_length() + 1, sides if self.side_lines else None)
         return chosen
 
     async def verify(

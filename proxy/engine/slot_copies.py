@@ -8,7 +8,7 @@ next verify batch, exactly as without copies.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
@@ -94,7 +94,10 @@ class SlotCopies:
         self.slot_file = slot_file
         self.n_prompt = n_prompt
         self.slots_to_copy = slots_to_copy  # the draft-length policy's measured need
-        self.filled: set[int] = set()  # slots this generation copied its context into
+        # every slot this generation copied its context into or had a batch or run use,
+        # and the one that holds the most of its committed context
+        self.touched: set[int] = set()
+        self.fullest = -1
 
     def first_round(self, one_slot: bool) -> FirstRound:
         """The plan of a first round that has a drafter: one slot is prefilled (and
@@ -117,7 +120,7 @@ class SlotCopies:
         the next batch."""
         assert self.replicator is not None
         if self.replicator.worth_copying(self.n_prompt - n_cached):
-            self.filled.update(
+            self.touched.update(
                 await self.replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
             )
 
@@ -129,16 +132,22 @@ class SlotCopies:
         if replicator is None or not replicator.available or not replicator.worth_copying(lag):
             return
         copied = await replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
-        self.filled.update(copied)
+        self.touched.update(copied)
 
-    async def release(self, used: set[int], keep: int) -> list[int]:
-        """Empty the slots this generation filled or verified in, all but `keep` (the one
-        that holds its whole context, for the conversation's next turn). Called when the
-        gate has chosen plain decoding: the next requests pass through, and with unified
-        KV every decode step of theirs would attend over the cells these slots hold
-        (masked, but read), which makes plain decoding on this server slower than on
-        llama-server alone."""
-        stale = (used | self.filled) - {keep, -1}
+    def used(self, slots: Iterable[int], fullest: int) -> None:
+        """A verify batch or plain run used `slots`; `fullest` now holds the most of the
+        committed context."""
+        self.touched.update(slots)
+        self.fullest = fullest
+
+    async def release(self) -> list[int]:
+        """Empty the slots this generation touched, all but the fullest (its whole
+        context, for the conversation's next turn). Called when the gate has chosen
+        plain decoding: the next requests pass through, and with unified KV every decode
+        step of theirs would attend over the cells these slots hold (masked, but read),
+        which makes plain decoding on this server slower than on llama-server alone at
+        long contexts."""
+        stale = self.touched - {self.fullest, -1}
         if self.replicator is None or not self.replicator.available or not stale:
             return []
         return await self.replicator.erase_idle(stale)
