@@ -42,6 +42,7 @@ class _Round:
     results: list[VerifyResult] = field(default_factory=list)
     acceptance: Acceptance = field(default_factory=lambda: Acceptance(0, [], 0))
     n_committed: int = 0
+    copied: bool = False  # slots were copied for it (its times are no steady round's)
 
     @property
     def verify_ms(self) -> float:
@@ -187,8 +188,9 @@ class Rounds:
         round_.drafted, round_.dists, round_.draft_ms = await self.rule.draft(
             round_.committed, round_.k
         )
-        round_.verify_start = time.perf_counter()
         n_drafted = len(round_.drafted.tokens)
+        round_.copied = await self.slots.warm_for(n_drafted + 1, len(round_.committed))
+        round_.verify_start = time.perf_counter()
         if loop.awaiting_overlap is not None:  # the last round's choice, judged
             self.policies.observe_next_draft(loop.awaiting_overlap, n_drafted, round_.draft_ms)
             loop.awaiting_overlap = None
@@ -252,7 +254,7 @@ class Rounds:
             server_ms=max(r.server_ms for r in round_.results),
             server_prompt_tokens=sum(r.prompt_n for r in round_.results),
             round_ms=total_ms,
-            catch_up=loop.after_run,
+            catch_up=loop.after_run or round_.copied,
             draft_probs=drafted.probs,
             fresh_tokens=drafted.fresh,
             fresh_ms=drafted.fresh_ms,

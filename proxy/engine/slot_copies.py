@@ -8,7 +8,7 @@ next verify batch, exactly as without copies.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
@@ -31,14 +31,20 @@ class SlotReplicator:
         """Copy a slot only when its prefill would cost the others more than a copy."""
         return n_fresh >= self.min_prompt
 
-    async def replicate(self, id_slot: int, copies: int, filename: str) -> list[int]:
-        """Copy slot `id_slot` into up to `copies` idle slots; returns their ids."""
+    async def replicate(
+        self, id_slot: int, copies: int, filename: str, keep: Collection[int] = ()
+    ) -> list[int]:
+        """Copy slot `id_slot` into up to `copies` idle slots, none of `keep`; returns
+        their ids."""
         if not self.available or copies <= 0 or id_slot < 0:
             return []
         try:
             await self.upstream.slot_action(id_slot, "save", filename)
             slots = await self.upstream.slots()
-            idle = [s["id"] for s in slots if not s.get("is_processing") and s["id"] != id_slot]
+            idle = [
+                s["id"] for s in slots
+                if not s.get("is_processing") and s["id"] != id_slot and s["id"] not in keep
+            ]  # fmt: skip
             for target in idle[:copies]:
                 await self.upstream.slot_action(target, "restore", filename)
             return idle[:copies]
@@ -133,6 +139,27 @@ class SlotCopies:
             return
         copied = await replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
         self.touched.update(copied)
+
+    async def warm_for(self, n_prompts: int, n_context: int) -> bool:
+        """Before a verify batch of `n_prompts` prompts over `n_context` tokens: where
+        fewer slots than that hold this generation's context, copy the fullest slot
+        into as many others, so that no prompt of the batch prefills the whole context
+        (a longer draft than the slots copied so far were meant for: exploring a
+        length, a round whose drafts were ready). At 4k on the H200 a slot prefilled
+        inside a verify batch cost seconds; a copy costs a fraction of that
+        (docs/BENCHMARKS.md, "Fifth run of the day"). True when it copied."""
+        replicator = self.replicator
+        missing = n_prompts - len(self.touched)
+        if (
+            replicator is None or not replicator.available or self.fullest < 0
+            or missing <= 0 or not replicator.worth_copying(n_context)
+        ):  # fmt: skip
+            return False
+        copied = await replicator.replicate(
+            self.fullest, missing, self.slot_file, keep=self.touched
+        )
+        self.touched.update(copied)
+        return bool(copied)
 
     def used(self, slots: Iterable[int], fullest: int) -> None:
         """A verify batch or plain run used `slots`; `fullest` now holds the most of the

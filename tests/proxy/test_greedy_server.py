@@ -6,6 +6,7 @@ import pytest
 
 from proxy.engine import EngineSettings, GenerationParams, SlotReplicator
 from proxy.engine.drafting import AsyncSessionDrafter
+from proxy.policies import Policies
 from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import (
@@ -285,6 +286,41 @@ async def test_cold_start_copies_the_prefilled_slot(
     assert second.n_drafted == k
     assert second.prompt_tokens <= (k + 1) * 1 + k * (k + 1) // 2, second
     assert all(r.decodes == 1 for r in result.rounds)
+
+
+async def test_rounds_longer_than_the_copies_copy_before_verifying(
+    spec_server, reference_drafter, http, ref_server
+):
+    """The first round copied its slot into one other only (the policy's measured need),
+    and later rounds verify k + 1 prompts: the missing slots are copied before the
+    batch, so no prompt of it prefills the whole context; output unchanged."""
+    prompt = (await tokenize(http, ref_server, PROMPTS[1] * 60))[:300]
+    k = 3
+    expected = await post_json(
+        http,
+        ref_server + "/completion",
+        {"prompt": prompt, "n_predict": 12, "temperature": 0, "return_tokens": True},
+    )
+    policies = Policies.fresh(k, adaptive=False)
+    policies.draft_length.slots_to_copy = lambda: 1  # type: ignore[method-assign]
+    async with UpstreamClient(spec_server) as upstream:
+        replicator = SlotReplicator(upstream)
+        tokens, result = await generate(
+            upstream,
+            prompt,
+            GenerationParams(n_predict=12),
+            reference_drafter(),
+            settings=EngineSettings(k=k, check_decodes=True, strict_decodes=True),
+            replicator=replicator,
+            slot_file="npu-spec-test-warm-for.bin",
+            policies=policies,
+        )
+    assert replicator.available
+    await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
+    second = result.rounds[1]
+    assert second.n_drafted == k and second.catch_up  # copied for it, not steady
+    assert second.prompt_tokens <= (k + 1) * 1 + k * (k + 1) // 2, second
+    assert all(not r.catch_up for r in result.rounds[2:])
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])

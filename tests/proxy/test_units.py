@@ -441,3 +441,31 @@ def test_text_behind_a_broken_sequence_is_held_back_as_the_server_does() -> None
     assert state.push(2, b"A", False).sent is False  # the server still sees a cut lead byte
     event = state.push(3, b"BC", False)
     assert event.sent and event.text == b"\xe2ABC"
+
+
+async def test_slot_warm_up_copies_the_fullest_slot_into_slots_not_holding_the_context():
+    from proxy.engine import SlotReplicator
+    from proxy.engine.slot_copies import SlotCopies
+
+    class SlotServer:
+        def __init__(self) -> None:
+            self.actions: list[tuple[int, str]] = []
+
+        async def slots(self):
+            return [{"id": i, "is_processing": i == 5} for i in range(7)]
+
+        async def slot_action(self, id_slot, action, filename):
+            self.actions.append((id_slot, action))
+            return {}
+
+    server = SlotServer()
+    copies = SlotCopies(SlotReplicator(server, min_prompt=64), "f.bin", 300, lambda: 1)
+    assert not await copies.warm_for(4, 300)  # no slot holds the context yet
+    copies.used([0, 2], fullest=2)
+    assert not await copies.warm_for(2, 300)  # enough slots
+    assert not await copies.warm_for(4, 40)  # short: prefilling in the batch is as cheap
+    assert await copies.warm_for(4, 300)
+    # saved from the fullest, restored into idle slots that do not hold it (not 0)
+    assert server.actions == [(2, "save"), (1, "restore"), (3, "restore")]
+    assert copies.touched == {0, 1, 2, 3}
+    assert not await copies.warm_for(4, 300)
