@@ -16,15 +16,7 @@ Off the reference path (a prompt it does not know, or a committed sequence that 
 the recorded continuation) it proposes nothing: the proxy then decodes plainly. Its
 own drafts may leave the path (a corrupted token): it drafts on after them, as a real
 drafter does, so a round verifies as many drafts as it asked for (the drafts after a
-wrong one cannot be accepted, whatever they are). A synced sequence whose last token
-alone is off the path (a guessed correction that was wrong) is drafted on the same
-way, so a wrong guess costs its drafting time as it would on a real drafter.
-
-Its logits (`next_logits`) rank the drafted token first and a runner-up second. Where
-the drafted token is wrong, the runner-up is the target's token with probability
-`runner_up_hits` (else another wrong one): how often a real draft's second choice is
-the target's correction, which is what side lines drafted for rejections
-(proxy.engine.drafting.SidePlan) live on.
+wrong one cannot be accepted, whatever they are).
 
 The per-token delay is a sleep on the calling thread (the engine's drafter thread):
 it holds neither the event loop nor the GIL, so the drafter runs truly in parallel
@@ -33,7 +25,7 @@ with the proxy and the server, as an NPU does.
 Folder form (loaded by `OracleDraftModel.from_folder`): `oracle.json` holding
 
     {"acceptance": 0.8, "delay_ms": 11.0, "seed": 0, "vocab_size": 151936,
-     "runner_up_hits": 0.5, "references": [[[prompt tokens...], [continuation tokens...]], ...]}
+     "references": [[[prompt tokens...], [continuation tokens...]], ...]}
 """
 
 from __future__ import annotations
@@ -59,7 +51,6 @@ from npu_draft.protocol import (
 )
 
 ORACLE_FILE = "oracle.json"
-_OWN_WINDOW = 256  # positions behind the sequence's end where its own drafts are kept
 QWEN_VOCAB = 151936
 _MASK64 = (1 << 64) - 1
 
@@ -115,57 +106,26 @@ class OracleConfig:
     delay_ms: float = 0.0
     seed: int = 0
     vocab_size: int = QWEN_VOCAB
-    runner_up_hits: float = 0.0  # P(runner-up is the target's token | the draft is wrong)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.acceptance <= 1.0:
             raise ValueError(f"oracle acceptance {self.acceptance} is not in [0, 1]")
-        if not 0.0 <= self.runner_up_hits <= 1.0:
-            raise ValueError(f"oracle runner-up hits {self.runner_up_hits} is not in [0, 1]")
         if self.delay_ms < 0:
             raise ValueError(f"oracle delay {self.delay_ms} ms is negative")
         if self.vocab_size < 2:
             raise ValueError("oracle vocab_size must be at least 2")
 
 
-def _position_hash(config: OracleConfig, ref: Reference, position: int) -> int:
-    return _mix64(_mix64(config.seed & _MASK64) ^ ref.key ^ _mix64(position))
-
-
-def _uniform(h: int) -> float:
-    return (h >> 11) / float(1 << 53)
-
-
-def _other_token(true_token: int, h: int, vocab_size: int, exclude: int | None = None) -> int:
-    """An id other than the truth (and than `exclude`), chosen by the hash `h`."""
-    for _ in range(4):
-        token = (true_token + 1 + h % (vocab_size - 1)) % vocab_size
-        if token != exclude:
-            return token
-        h = _mix64(h)
-    others = (t for t in range(vocab_size) if t not in (true_token, exclude))
-    return next(others, (true_token + 1) % vocab_size)  # a vocabulary of two
-
-
 def drafted_token(config: OracleConfig, ref: Reference, position: int) -> int:
     """What the oracle proposes at `position` of `ref`'s continuation."""
     true_token = ref.continuation[position]
-    h = _position_hash(config, ref, position)
-    if _uniform(h) < config.acceptance:
+    h = _mix64(_mix64(config.seed & _MASK64) ^ ref.key ^ _mix64(position))
+    uniform = (h >> 11) / float(1 << 53)
+    if uniform < config.acceptance:
         return true_token
     # Any other id, chosen by a second hash: guaranteed to differ from the truth.
-    return _other_token(true_token, _mix64(h), config.vocab_size)
-
-
-def runner_up_token(config: OracleConfig, ref: Reference, position: int) -> int:
-    """The oracle's second choice at `position`: where its draft is wrong, the truth
-    with probability `runner_up_hits`; otherwise a wrong id other than the draft."""
-    true_token = ref.continuation[position]
-    drafted = drafted_token(config, ref, position)
-    h = _mix64(_position_hash(config, ref, position) ^ 0x5EC0D)
-    if drafted != true_token and _uniform(h) < config.runner_up_hits:
-        return true_token
-    return _other_token(true_token, _mix64(h), config.vocab_size, exclude=drafted)
+    offset = 1 + _mix64(h) % (config.vocab_size - 1)
+    return (true_token + offset) % config.vocab_size
 
 
 class OracleDraftSession:
@@ -174,10 +134,7 @@ class OracleDraftSession:
         self._tokens: list[int] = []
         self._ref: Reference | None = None  # the reference the prompt belongs to
         self._on_path = 0  # leading tokens of the sequence that lie on _ref
-        self._synced = 0  # length of the sequence given by the last sync
-        # (position, token) of its own drafts past the path's end, also of lines a later
-        # sync left (side lines move the session, and a proxy syncs back)
-        self._own: set[tuple[int, int]] = set()
+        self._synced = 0  # length of the sequence given by the last sync (the rest: drafts)
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -194,40 +151,25 @@ class OracleDraftSession:
         self._synced = len(new)
         if self._ref is not None:
             self._on_path = self._ref.matched(new, min(self._on_path, reused))
-            # its own drafts stay its drafts where the new sequence holds them (a proxy
-            # syncing back to a line it drafted, after side lines): it drafts on after a
-            # wrong one of them; those far behind the sequence's end no longer matter
-            self._own = {(i, t) for i, t in self._own if i >= len(new) - _OWN_WINDOW}
         return SyncStats(reused=reused, appended=len(new) - reused)
 
     def _locate(self) -> tuple[Reference, int] | None:
         if self._ref is not None:
-            found = self._place(self._ref, self._on_path)
-            if found is not None:
-                return found
+            position = self._ref.position(self._tokens, self._on_path)
+            if position is not None:
+                return self._ref, position
+            if max(len(self._ref.prompt), self._synced) <= self._on_path < len(self._tokens):
+                # the path was left among its own drafts since the last sync (not by the
+                # committed sequence): drafting on after its own wrong draft
+                return self._ref, len(self._tokens) - len(self._ref.prompt)
         for ref in self._model.references:
             if ref is self._ref:
                 continue
             on_path = ref.matched(self._tokens)
-            found = self._place(ref, on_path)
-            if found is not None:
+            position = ref.position(self._tokens, on_path)
+            if position is not None:
                 self._ref, self._on_path = ref, on_path
-                return found
-        return None
-
-    def _place(self, ref: Reference, on_path: int) -> tuple[Reference, int] | None:
-        """Where the sequence stands on `ref` (of which `on_path` leading tokens lie on
-        it): on the path, or drafting on after a wrong token (one of its own drafts, or
-        the last synced token: a guessed correction)."""
-        position = ref.position(self._tokens, on_path)
-        if position is not None:
-            return ref, position
-        tokens = self._tokens
-        wrong_own = on_path == self._synced - 1 or (
-            on_path < len(tokens) and (on_path, tokens[on_path]) in self._own
-        )
-        if len(ref.prompt) <= on_path < len(self._tokens) and wrong_own:
-            return ref, len(self._tokens) - len(ref.prompt)
+                return ref, position
         return None
 
     def propose(
@@ -256,28 +198,15 @@ class OracleDraftSession:
                 draft.dists.append(
                     SparseDist(np.array([token], np.int64), np.array([1.0], np.float64))
                 )
-        start = len(self._tokens)
         self._tokens.extend(draft.tokens)
         self._on_path = ref.matched(self._tokens, self._on_path)
-        first = max(start, self._on_path)
-        self._own.update((i, self._tokens[i]) for i in range(first, len(self._tokens)))
         return draft
 
-    def second_choice(self) -> int | None:
-        """The runner-up `next_logits` ranks second, without building the logits."""
-        found = self._locate()
-        if found is None or found[1] >= len(found[0].continuation):
-            return None
-        return runner_up_token(self._model.config, *found)
-
     def next_logits(self) -> np.ndarray:
-        """The drafted token first (0), the runner-up second (-1), the rest far below."""
-        config = self._model.config
-        logits = np.full(config.vocab_size, -30.0, dtype=np.float32)
+        logits = np.full(self._model.config.vocab_size, -30.0, dtype=np.float32)
         found = self._locate()
         if found is not None and found[1] < len(found[0].continuation):
-            logits[runner_up_token(config, *found)] = -1.0
-            logits[drafted_token(config, *found)] = 0.0
+            logits[drafted_token(self._model.config, found[0], found[1])] = 0.0
         return logits
 
     def close(self) -> None:
@@ -285,7 +214,6 @@ class OracleDraftSession:
         self._ref = None
         self._on_path = 0
         self._synced = 0
-        self._own = set()
 
 
 class OracleDraftModel:
@@ -318,7 +246,6 @@ class OracleDraftModel:
             delay_ms=float(data.get("delay_ms", 0.0)),
             seed=int(data.get("seed", 0)),
             vocab_size=int(data.get("vocab_size", QWEN_VOCAB)),
-            runner_up_hits=float(data.get("runner_up_hits", 0.0)),
         )
         references = [(pair[0], pair[1]) for pair in data.get("references", [])]
         return cls(references, config, name)
@@ -347,7 +274,6 @@ def write_oracle_folder(
         "delay_ms": config.delay_ms,
         "seed": config.seed,
         "vocab_size": config.vocab_size,
-        "runner_up_hits": config.runner_up_hits,
         "references": [[list(map(int, p)), list(map(int, c))] for p, c in references],
     }
     (folder / ORACLE_FILE).write_text(json.dumps(data))

@@ -50,14 +50,6 @@ class ProxySettings(BaseSettings):
         description="start the next round's draft as soon as a verify result is back, while "
         "the proxy commits the round's tokens (else when the next round starts)",
     )
-    side_lines: int = Field(
-        0,
-        ge=0,
-        le=16,
-        description="side lines drafted while the server verifies, after the line that "
-        "assumes every draft is accepted: for a rejection at each of the first drafts, the "
-        "line after the draft's runner-up there (0: none)",
-    )
     plain_runs: Literal["auto", "off"] = Field(
         "auto",
         description="let llama-server decode alone while that is measured to be faster than "

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from npu_draft.protocol import CancelToken
-from proxy.engine.drafting import AsyncDrafter, DrafterBase, GreedyDraft, SidePlan, StopRule
+from proxy.engine.drafting import AsyncDrafter, DrafterBase, GreedyDraft, StopRule
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +58,12 @@ class GuardedDrafter(DrafterBase):
         )  # fmt: skip
         return await self._bounded(call, k_max, lambda d: d.tokens)
 
-    async def extend(self, n_max: int, cancel: CancelToken, sides: SidePlan | None = None) -> int:
+    async def extend(self, n_max: int, cancel: CancelToken) -> int:
         """Drafting ahead; its tokens are checked when a later `draft` hands them out.
         An inner drafter that does not draft ahead is not asked (nothing to bound)."""
         if not self._inner.draft_ahead:
             return 0
-        call = self._inner.extend(n_max, cancel, sides)
+        call = self._inner.extend(n_max, cancel)
         return await self._bounded(call, n_max, lambda _made: [])
 
     async def propose_sampled(

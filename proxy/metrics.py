@@ -47,7 +47,6 @@ class ProxyMetrics:
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.reused_tokens = 0  # drafts that were ready from drafting ahead
-        self.side_line_rounds = 0  # rounds whose drafts were ready on a side line
         self.generated_tokens = 0
         self.accepted_per_position: Counter[int] = Counter()
         self.drafted_per_position: Counter[int] = Counter()
@@ -79,7 +78,6 @@ class ProxyMetrics:
         self.draft_tokens += record.n_drafted
         self.accepted_tokens += record.n_accepted
         self.reused_tokens += record.n_reused
-        self.side_line_rounds += record.from_side
         for position in range(record.n_drafted):
             self.drafted_per_position[position] += 1
             if position < record.n_accepted:
@@ -147,12 +145,6 @@ COUNTERS = (
         "npu_spec_ahead_tokens_total",
         "Drafts ready from drafting during verification",
         "reused_tokens",
-    ),
-    (
-        "npu_spec_side_line_rounds_total",
-        "Rounds whose drafts were ready on a side line (drafted while the server verified, "
-        "for a rejection whose correction was the draft's runner-up)",
-        "side_line_rounds",
     ),
     (
         "npu_spec_generated_tokens_total",

@@ -136,19 +136,6 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
-        ("--side-lines",),
-        {
-            "type": int,
-            "dest": "side_lines",
-            "metavar": "N",
-            "help": "while the server verifies, after drafting ahead as if every draft is "
-            "accepted, draft up to N side lines: for a rejection at each of the first "
-            "drafts (and of the bonus guess), the line after the draft's runner-up there, so "
-            "the next round starts at once when the target's correction is that runner-up; "
-            "0: none (default: %(default)s)",
-        },
-    ),
-    (
         ("--plain-runs",),
         {
             "choices": ["auto", "off"],

@@ -131,14 +131,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ceiling-repeats", type=int, default=8, help="timed rounds per k for t_v(k)"
     )
     parser.add_argument("--oracle-seed", type=int, default=0, help="oracle drafter's random seed")
-    parser.add_argument(
-        "--oracle-runner-up-hits",
-        type=float,
-        default=0.0,
-        metavar="H",
-        help="how often the oracle's second choice is the target's token where its draft "
-        "is wrong (what side lines, `serve --side-lines`, live on), e.g. 0.5",
-    )
     parser.add_argument("--llama-server", type=Path, help="llama-server binary")
     parser.add_argument("--work-dir", type=Path, help="logs and oracle folders (default: temp)")
     parser.add_argument(
@@ -244,7 +236,6 @@ def options_from_args(args: argparse.Namespace):
             drafter.parent if drafter else None,
         ),
         oracle_seed=args.oracle_seed,
-        oracle_runner_up_hits=args.oracle_runner_up_hits,
         llama_server=args.llama_server,
         work_dir=args.work_dir,
         startup_timeout=args.startup_timeout,

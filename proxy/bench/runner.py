@@ -121,7 +121,6 @@ class BenchOptions:
     # replaces oracle_delay_ms when given
     oracle_delay_steps: list[float] | None = None
     oracle_seed: int = 0
-    oracle_runner_up_hits: float = 0.0  # the oracle's second choice: the truth this often
     # a mode kind listed here runs at these k instead of -k (the sweep: -k plus these)
     mode_ks: dict[str, list[int]] = field(default_factory=dict)
     ceiling_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])  # t_v(k)
@@ -334,10 +333,7 @@ class BenchSession:
         folders = {}
         for a in o.oracle_acceptance:
             for _, ms in delays:
-                config = OracleConfig(
-                    acceptance=a, delay_ms=ms, seed=o.oracle_seed,
-                    runner_up_hits=o.oracle_runner_up_hits,
-                )  # fmt: skip
+                config = OracleConfig(acceptance=a, delay_ms=ms, seed=o.oracle_seed)
                 folder = self.work_dir / f"oracle-ctx{context}-a{a:g}-d{ms:.4g}"
                 folders[(a, ms)] = write_oracle_folder(folder, references, config)
         return folders

@@ -53,7 +53,6 @@ def _proxy_counters(d: dict[str, float]) -> dict[str, Any]:
         "drafted": round(d.get("npu_spec_draft_tokens_total", 0)),
         "accepted": round(d.get("npu_spec_accepted_tokens_total", 0)),
         "drafted_ahead": round(d.get("npu_spec_ahead_tokens_total", 0)),
-        "side_line_rounds": round(d.get("npu_spec_side_line_rounds_total", 0)),
         "drafted_per_position": per_position(d, "npu_spec_draft_tokens_per_position_total"),
         "accepted_per_position": per_position(d, "npu_spec_accepted_tokens_per_position_total"),
         "draft_ms": d.get("npu_spec_draft_ms_sum", 0.0),
@@ -83,7 +82,6 @@ def request_stats(
                 "rounds",
                 "drafted",
                 "drafted_ahead",
-                "side_line_rounds",
                 "draft_ms",
                 "verify_ms",
                 "overhead_ms",
@@ -239,7 +237,6 @@ def _steady_totals(runs: list[dict[str, Any]]) -> dict[str, float]:
         for key in ("server_ms", "prompt_tokens"):  # absent from older result files
             totals[key] = sum(s.get(key, 0) for s in steady)
         totals["drafted_ahead"] = sum(s.get("drafted_ahead", 0) for s in steady)
-        totals["side_line_rounds"] = sum(s.get("side_line_rounds", 0) for s in steady)
     return totals
 
 
@@ -264,8 +261,6 @@ def _round_costs(
             steady["draft_ms"], steady["drafted"] - steady["drafted_ahead"]
         ),
         "decodes_per_round": steady["decodes"] / n,
-        # rounds that started at once on a side line drafted for their rejection
-        "side_line_share": steady.get("side_line_rounds", 0) / n,
     }
 
 

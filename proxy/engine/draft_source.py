@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from npu_draft.protocol import CancelToken, Draft, SamplingParams, SparseDist
-from proxy.engine.drafting import AsyncDrafter, GreedyDraft, SidePlan, StopRule
+from proxy.engine.drafting import AsyncDrafter, GreedyDraft, StopRule
 from proxy.engine.records import RoundObserver
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class DraftSource:
                 early_own = drafted.fresh  # with a token cut by the stop rule
                 again.reused = max(0, again.reused - early_own)
                 # where the round's drafts started is what the early draft found
-                again.resynced, again.from_side = drafted.resynced, drafted.from_side
+                again.resynced = drafted.resynced
             return again, again_dists, again_ms
         drafted.tokens, drafted.probs = drafted.tokens[:k], drafted.probs[:k]
         return drafted, dists, (time.perf_counter() - started) * 1e3
@@ -184,12 +184,9 @@ class DraftSource:
             self._timing = None
             await asyncio.gather(task, return_exceptions=True)
 
-    def start_ahead(
-        self, n_tokens: Callable[[], int], sides: Callable[[], SidePlan] | None = None
-    ) -> None:
+    def start_ahead(self, n_tokens: Callable[[], int]) -> None:
         """While the server verifies, keep drafting the line as if all is accepted:
-        `n_tokens()` more (asked when drafting starts), then the side lines `sides()`
-        plans."""
+        `n_tokens()` more (asked when drafting starts)."""
         drafter = self.drafter
         assert drafter is not None
         self._ahead_cancel = cancel = CancelToken()
@@ -198,7 +195,7 @@ class DraftSource:
 
         async def run() -> None:
             try:
-                await drafter.extend(n_tokens(), cancel, sides() if sides else None)
+                await drafter.extend(n_tokens(), cancel)
             except asyncio.CancelledError:
                 raise
             except Exception:

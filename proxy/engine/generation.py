@@ -103,9 +103,8 @@ class Generation:
             self.drafter, policies.draft_length.worth, self.request_id, self.observer
         )
         rule = await rule_for(
-            self.params.sampling, drafts, policies, self.pieces, settings.early_draft,
-            settings.side_lines,
-        )  # fmt: skip
+            self.params.sampling, drafts, policies, self.pieces, settings.early_draft
+        )
         slots = SlotCopies(
             self.replicator, self.slot_file, len(self.prompt), policies.draft_length.slots_to_copy
         )

@@ -48,8 +48,6 @@ class RoundRecord:
     fresh_tokens: int = 0
     fresh_ms: float = 0.0
     resynced: bool = False
-    from_side: bool = False  # its drafts were ready on a side line (a guessed rejection)
-    after_ahead: bool = False  # the generation's previous round drafted ahead (side lines)
     n_run_tokens: int = 0  # a plain run's tokens, also those past where the output stopped
     # a plain run during which the drafter worked in the background (a timing draft, its
     # prefill of the context): on a CPU drafter that slows the server's own host threads,

@@ -259,8 +259,6 @@ class Rounds:
             fresh_tokens=drafted.fresh,
             fresh_ms=drafted.fresh_ms,
             resynced=drafted.resynced,
-            from_side=drafted.from_side,
-            after_ahead=bool(loop.rounds and loop.rounds[-1].drafted_ahead),
             drafted_ahead=round_.drafted_ahead,
         )
         loop.last_back = round_.verify_back

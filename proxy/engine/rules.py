@@ -23,7 +23,6 @@ from proxy.engine.acceptance import (
     speculative_sample,
 )
 from proxy.engine.draft_source import DraftOutcome, DraftSource
-from proxy.engine.drafting import SidePlan
 from proxy.engine.server_text import PieceCache, valid_utf8_prefix
 from proxy.policies import Policies
 from proxy.server.upstream import PlainRun, SamplingSpec, UpstreamClient, VerifyResult
@@ -71,24 +70,17 @@ class Rule(Protocol):
 class GreedyRule:
     """The target's argmax. Drafts have the draft-length policy's lengths, may start
     early (while the last round is committed) and grow ahead (while the server
-    verifies) where the overlap policy says, with up to `side_lines` side lines for
-    the likeliest rejections (`SidePlan`)."""
+    verifies) where the overlap policy says."""
 
     sampled = False
 
     def __init__(
-        self,
-        drafts: DraftSource,
-        policies: Policies,
-        pieces: PieceCache,
-        early_draft: bool,
-        side_lines: int = 0,
+        self, drafts: DraftSource, policies: Policies, pieces: PieceCache, early_draft: bool
     ) -> None:
         self.drafts = drafts
         self.policies = policies
         self.pieces = pieces
         self.early_draft = early_draft
-        self.side_lines = side_lines
 
     def _lengths(self, k: int, upcoming: int = 0) -> tuple[int, int]:
         """(most drafts, most drafted fresh) for a round allowed k, as the draft-length
@@ -107,16 +99,9 @@ class GreedyRule:
         if not n_drafted:
             return None
         chosen = self.policies.overlap.decide(self.drafts.can_draft_ahead)
-        if chosen:  # the bonus guess and the next round's drafts, then side lines
+        if chosen:  # the bonus guess and the next round's drafts
             draft_length = self.policies.draft_length
-
-            def next_length() -> int:
-                return draft_length.decide(True, upcoming=1)[0]
-
-            def sides() -> SidePlan:
-                return SidePlan(n_drafted, self.side_lines, next_length())
-
-            self.drafts.start_ahead(lambda: next_length() + 1, sides if self.side_lines else None)
+            self.drafts.start_ahead(lambda: draft_length.decide(True, upcoming=1)[0] + 1)
         return chosen
 
     async def verify(
@@ -199,11 +184,10 @@ async def rule_for(
     policies: Policies,
     pieces: PieceCache,
     early_draft: bool,
-    side_lines: int = 0,
 ) -> Rule:
     """The generation's rule: greedy, or sampling with `sampling`'s chain and seed."""
     if sampling is None:
-        return GreedyRule(drafts, policies, pieces, early_draft, side_lines)
+        return GreedyRule(drafts, policies, pieces, early_draft)
     return SamplingRule(drafts, sampling, pieces, await pieces.eog_tokens())
 
 

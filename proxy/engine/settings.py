@@ -32,9 +32,6 @@ class EngineSettings:
     # greedy: start the next round's draft as soon as the verify result is known, behind
     # the proxy's own work on the round (else when the next round starts)
     early_draft: bool = True
-    # greedy: side lines drafted after the main line while the server verifies, for the
-    # likeliest rejections (proxy.engine.drafting.SidePlan); 0: none
-    side_lines: int = 0
     check_decodes: bool = False  # count the server's decodes per round; warn when not one
     strict_decodes: bool = False  # ... and fail the generation instead (implies checking)
 
@@ -46,7 +43,6 @@ class EngineSettings:
             adaptive=settings.adaptive_k,
             overlap=settings.overlap,
             early_draft=settings.early_draft,
-            side_lines=settings.side_lines,
             check_decodes=settings.check_decodes,
             strict_decodes=settings.strict_decodes,
         )

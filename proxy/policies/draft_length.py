@@ -106,10 +106,6 @@ class DraftLengthPolicy:
         self._length_samples: dict[int, deque[float]] = {}
         self._slope = _PRIOR_VERIFY_SLOPE_MS
         self.prompts_per_round: float | None = None  # verify prompts (slots) per round
-        # of the rounds after one that drafted ahead whose drafts the main line did not
-        # hold, the share a side line held (proxy.engine.drafting.SidePlan; 0 without)
-        self.side_share = 0.0
-        self._side_samples = 0
 
     def decide(self, ahead: bool, upcoming: int = 0) -> tuple[int, int]:
         """(the most drafts the next round should send, the most where it drafts them
@@ -170,9 +166,7 @@ class DraftLengthPolicy:
             (pi_R E(k_R) + pi_M E(k_M)) / (pi_R T_R + pi_M T_M)
 
         With k_R = k_M it is the one-length formula; a slow drafter gains by drafting
-        few tokens fresh and many where they are ready. Side lines make a round ready
-        also after a rejection, in the measured share `side_share` of those rounds
-        (`ready_chance`)."""
+        few tokens fresh and many where they are ready."""
         if self._two is not None:
             return self._two
         a = self.acceptance_rate() or 0.0
@@ -185,7 +179,7 @@ class DraftLengthPolicy:
         best, best_rate = (1, 1), -1.0
         for k_r in ks:
             for k_m in ks:
-                p_r, p_m = self.ready_chance(a, k_r), self.ready_chance(a, k_m)
+                p_r, p_m = a ** (k_r + 1), a ** (k_m + 1)
                 # a hit after a round of k waits for drafting k_r + 1 ahead beyond verify(k)
                 t_r = proxy + verify[k_r] + p_r * max(0.0, (k_r + 1) * t_d - verify[k_r])
                 t_m = (
@@ -200,12 +194,6 @@ class DraftLengthPolicy:
                     best, best_rate = (k_r, k_m), rate
         self._two = best
         return best
-
-    def ready_chance(self, a: float, k: int) -> float:
-        """The chance that the round after one of k drafts finds its drafts ready:
-        all k and the bonus guess accepted (the main line), or else a side line."""
-        main = a ** (k + 1)
-        return main + (1.0 - main) * self.side_share
 
     def acceptance_rate(self) -> float | None:
         """Per-draft acceptance a = accepted / (accepted + rejections)."""
@@ -228,7 +216,7 @@ class DraftLengthPolicy:
         fresh = max((self.resync_ms or 0.0) + k * t_d, 0.0)  # what a miss leaves unhidden
         if not ahead:
             return fixed + fresh
-        hit = self.ready_chance(a, k)
+        hit = a ** (k + 1)
         unhidden_on_hit = max(0.0, (k + 1) * t_d - self.verify_ms_at(k))
         return fixed + hit * unhidden_on_hit + (1.0 - hit) * fresh
 
@@ -330,12 +318,6 @@ class DraftLengthPolicy:
         n = len(probs)  # prompts - 1: what the verify time follows
         if record.plain_run or record.first or record.catch_up or not n:
             return
-        # after a round of the same generation that drafted ahead (concurrent requests
-        # share this policy), where the main line missed
-        if record.after_ahead and (record.resynced or record.from_side):
-            self._side_samples += 1
-            weight = max(1.0 / self._side_samples, _ACCEPT_ALPHA)  # a plain mean at first
-            self.side_share = _ema(self.side_share, float(record.from_side), weight)
         expected = float(np.cumprod(np.asarray(probs, dtype=np.float64)).sum())
         self._accepted = _ema(self._accepted, record.n_accepted)
         self._expected = _ema(self._expected, expected)
@@ -380,7 +362,6 @@ class DraftLengthPolicy:
             "acceptance": self.acceptance_rate(),
             "draft_token_ms": self.token_ms,
             "resync_ms": self.resync_ms,
-            "side_share": self.side_share,
             "formula_k_ahead": self.length(True) if self.rounds else None,
             "formula_k_fresh": self.fresh_length(True) if self.rounds else None,
             "formula_k_serial": self.best_length(False) if self.rounds else None,

@@ -107,9 +107,7 @@ def test_off_the_reference_path_proposes_nothing() -> None:
     session.sync([7, 8, 9])  # unknown prompt
     assert session.propose(4).tokens == []
     wrong = (truth[0] + 1) % VOCAB
-    session.sync([*prompt, wrong])  # a wrong guess of the last token: drafts on after it
-    assert session.propose(4).tokens == truth[1:5]
-    session.sync([*prompt, wrong, truth[1]])  # left the recorded continuation
+    session.sync([*prompt, wrong])  # left the recorded continuation
     assert session.propose(4).tokens == []
     session.sync(prompt + truth)  # at the end of the reference
     assert session.propose(4).tokens == []

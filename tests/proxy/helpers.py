@@ -289,8 +289,8 @@ class RecordingDrafter(DrafterBase):
         self.drafts[len(committed)] = list(out.tokens)
         return out
 
-    async def extend(self, n_max: int, cancel: Any, sides: Any = None) -> int:
-        return await self._inner.extend(n_max, cancel, sides)
+    async def extend(self, n_max: int, cancel: Any) -> int:
+        return await self._inner.extend(n_max, cancel)
 
     async def propose_sampled(self, committed: Sequence[int], k: int, sampling: Any, rng: Any):
         return await self._inner.propose_sampled(committed, k, sampling, rng)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from proxy.engine import EngineSettings, GenerationParams, SlotReplicator
-from proxy.engine.drafting import AsyncSessionDrafter
 from proxy.policies import Policies
 from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
@@ -345,37 +344,6 @@ async def test_drafting_ahead_is_reused_and_lossless(
             page = await response.text()
         assert f"npu_spec_drafting_ahead {1 if overlap == 'on' else 0}\n" in page
         assert "npu_spec_draft_calibration " in page  # measured rounds exist
-
-
-async def test_side_lines_start_rounds_after_rejections_and_stay_lossless(
-    http, ref_server, spec_server
-):
-    """An oracle drafter (the server's own output, 40% of drafts corrupted, the runner-up
-    always the truth, no delay: drafting ahead leaves time for side lines): the round
-    after a rejection finds its drafts ready on a side line, and the output is still
-    the server's own."""
-    from npu_draft.oracle import OracleConfig, OracleDraftModel
-
-    body = {"prompt": PROMPTS[0], "n_predict": 64, "temperature": 0, "return_tokens": True}
-    expected = await post_json(http, ref_server + "/completion", body)
-    prompt = await tokenize(http, ref_server, PROMPTS[0])
-    vocab = max(prompt + expected["tokens"]) + 1  # its wrong drafts stay valid ids
-    config = OracleConfig(acceptance=0.6, seed=5, vocab_size=vocab, runner_up_hits=1.0)
-    model = OracleDraftModel([(prompt, expected["tokens"])], config)
-    async with run_proxy(
-        spec_server, lambda: AsyncSessionDrafter(model.open_session()), 4,
-        check_decodes=True, overlap="on", side_lines=4,
-    ) as proxy:  # fmt: skip
-        status, got, _ = await proxy.post("/completion", body)
-        assert status == 200, got
-        await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], got["tokens"])
-        metrics = proxy.state.metrics
-        assert metrics.decode_check_failures == 0
-        assert metrics.accepted_tokens < metrics.draft_tokens  # rejections happened
-        assert metrics.side_line_rounds > 0
-        async with http.get(proxy.url + "/metrics") as response:
-            page = await response.text()
-        assert f"npu_spec_side_line_rounds_total {metrics.side_line_rounds}\n" in page
 
 
 async def test_mismatch_explained_by_the_servers_top2(http, ref_server):
