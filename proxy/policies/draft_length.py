@@ -35,7 +35,6 @@ rounds, one round one draft longer or shorter than its choice.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from typing import TYPE_CHECKING, Literal
 
@@ -54,8 +53,7 @@ _FORMULA_RULES = ("formula", "uniform")
 _ALPHA = 0.2  # weight of the newest round in the running averages
 _PRIOR_VERIFY_SLOPE_MS = 1.0  # per extra draft, until measured (docs/BENCHMARKS.md)
 _MIN_ROUNDS = 3  # rounds observed before the rule starts cutting drafts
-_MIN_LENGTH_SAMPLES = 3  # rounds of one draft length before its verify time counts
-_LENGTH_WINDOW = 9  # the last rounds of one draft length whose median verify time counts
+_MIN_LENGTH_SAMPLES = 3  # rounds of one draft length before its mean verify time counts
 
 
 _ACCEPT_ALPHA = 0.05  # the formula's acceptance: E(k) is steep in a, so average longer
@@ -100,10 +98,7 @@ class DraftLengthPolicy:
         self.tokens_per_round: float | None = None
         self.draft_ms_per_token: float | None = None
         self._verify: deque[tuple[int, float]] = deque(maxlen=64)
-        # n -> (median verify ms of its last rounds, rounds): a median, since one round
-        # that also caught a lagging slot up costs several times a steady one
-        self._by_length: dict[int, tuple[float, int]] = {}
-        self._length_samples: dict[int, deque[float]] = {}
+        self._by_length: dict[int, tuple[float, int]] = {}  # n -> (mean verify ms, rounds)
         self._slope = _PRIOR_VERIFY_SLOPE_MS
         self.prompts_per_round: float | None = None  # verify prompts (slots) per round
 
@@ -238,7 +233,7 @@ class DraftLengthPolicy:
         return best
 
     def verify_ms_at(self, n: int) -> float:
-        """Verify time of rounds with n drafts: measured where there are enough
+        """Mean verify time of rounds with n drafts: measured where there are enough
         samples, else extrapolated from the nearest measured length by the slope."""
         known = {m: v for m, (v, c) in self._by_length.items() if c >= _MIN_LENGTH_SAMPLES}
         if not known:
@@ -283,7 +278,7 @@ class DraftLengthPolicy:
 
     def verify_ms_for_draft(self, position: int) -> float:
         """What drafting position `position` adds to the verify round: the measured
-        difference between the rounds of `position` and `position - 1` drafts,
+        difference between the mean rounds of `position` and `position - 1` drafts,
         else the fitted slope."""
         longer = self._by_length.get(position)
         shorter = self._by_length.get(position - 1)
@@ -342,13 +337,11 @@ class DraftLengthPolicy:
         self.rounds += 1
 
     def _observe_verify(self, n: int, verify_ms: float) -> None:
-        """The verify time of a round of n drafts: the slope fit and the per-length median."""
+        """The verify time of a round of n drafts: the slope fit and the per-length mean."""
         self._verify.append((n, verify_ms))
         self._slope = self._fit_slope()
-        samples = self._length_samples.setdefault(n, deque(maxlen=_LENGTH_WINDOW))
-        samples.append(verify_ms)
-        count = self._by_length.get(n, (verify_ms, 0))[1]
-        self._by_length[n] = (statistics.median(samples), count + 1)
+        mean, count = self._by_length.get(n, (verify_ms, 0))
+        self._by_length[n] = (mean + (verify_ms - mean) / min(count + 1, 16), count + 1)
 
     def snapshot(self) -> dict[str, float | int | None]:
         return {
