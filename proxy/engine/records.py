@@ -39,7 +39,8 @@ class RoundRecord:
     # What the policies learn from (proxy.policies):
     round_ms: float = 0.0  # the whole round, wall time
     # the round's other slots caught up on plain-run tokens (or on the prompt, where the
-    # first round prefilled one slot only): its time says little about speculation
+    # first round prefilled one slot only), or slots were copied for it: its time says
+    # little about speculation
     catch_up: bool = False
     draft_probs: list[float] = field(default_factory=list)  # the draft's p per token
     # what the drafter itself spent on the tokens it drafted for this round (not taken

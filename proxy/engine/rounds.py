@@ -35,7 +35,8 @@ class _Round:
     drafted: GreedyDraft = field(default_factory=GreedyDraft)
     dists: Dists = None
     draft_ms: float = 0.0
-    verify_start: float = 0.0  # also when the draft was ready
+    draft_ready: float = 0.0
+    verify_start: float = 0.0  # after the slot copies the round needed, if any
     verify_back: float = 0.0
     drafted_ahead: bool | None = None
     drafter_idle_ms: float = 0.0
@@ -173,7 +174,9 @@ class Rounds:
             # speculation again after plain runs: copy the slot that holds the context
             # into the slots the rounds use, instead of letting each of them prefill what
             # it lags by inside the next verify batch
-            await self.slots.catch_up(loop.context_slot, loop.lag)
+            await self.slots.catch_up(
+                loop.context_slot, loop.lag, len(self.prompt) + len(loop.text.tokens)
+            )
         loop.context_slot, loop.lag = -1, 0
         first = not loop.rounds and self.drafts.available
         one_slot = self.policies.prefers_plain() or self.policies.measuring_first()
@@ -189,6 +192,7 @@ class Rounds:
             round_.committed, round_.k
         )
         n_drafted = len(round_.drafted.tokens)
+        round_.draft_ready = time.perf_counter()
         round_.copied = await self.slots.warm_for(n_drafted + 1, len(round_.committed))
         round_.verify_start = time.perf_counter()
         if loop.awaiting_overlap is not None:  # the last round's choice, judged
@@ -246,7 +250,7 @@ class Rounds:
             first=not loop.rounds,
             n_matched=acceptance.n_matched if isinstance(acceptance, SampledAcceptance) else None,
             n_reused=drafted.reused,
-            draft_ready_ms=(round_.verify_start - round_.started) * 1e3,
+            draft_ready_ms=(round_.draft_ready - round_.started) * 1e3,
             verify_sent_ms=(round_.verify_start - round_.started) * 1e3,
             verify_back_ms=(round_.verify_back - round_.started) * 1e3,
             server_idle_ms=(round_.verify_start - loop.last_back) * 1e3,

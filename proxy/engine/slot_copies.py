@@ -15,6 +15,8 @@ from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamE
 
 log = logging.getLogger(__name__)
 
+_PASSING = (503, 504)  # UpstreamError statuses of a failure worth trying again later
+
 
 class SlotReplicator:
     """Cold start without k+1 prefills: after a first plain round prefilled one slot,
@@ -35,24 +37,31 @@ class SlotReplicator:
         self, id_slot: int, copies: int, filename: str, keep: Collection[int] = ()
     ) -> list[int]:
         """Copy slot `id_slot` into up to `copies` idle slots, none of `keep`; returns
-        their ids."""
+        the ids restored (nothing is saved where no slot is free)."""
         if not self.available or copies <= 0 or id_slot < 0:
             return []
+        restored: list[int] = []
         try:
-            await self.upstream.slot_action(id_slot, "save", filename)
             slots = await self.upstream.slots()
-            idle = [
+            targets = [
                 s["id"] for s in slots
                 if not s.get("is_processing") and s["id"] != id_slot and s["id"] not in keep
-            ]  # fmt: skip
-            for target in idle[:copies]:
+            ][:copies]  # fmt: skip
+            if not targets:
+                return []
+            await self.upstream.slot_action(id_slot, "save", filename)
+            for target in targets:
                 await self.upstream.slot_action(target, "restore", filename)
-            return idle[:copies]
+                restored.append(target)
         except (UpstreamClientError, UpstreamError) as exc:
-            # 501 without --slot-save-path; whatever the cause, only speed is lost
-            self.available = False
-            log.warning("slot save/restore unavailable (%s); prefilling in the batch", exc)
-            return []
+            # only speed is lost either way; a timeout or a busy server is passing, a
+            # refusal (501 without --slot-save-path) is not
+            if isinstance(exc, UpstreamError) and exc.status in _PASSING:
+                log.info("slot copy failed (%s); those slots prefill in the batch", exc)
+            else:
+                self.available = False
+                log.warning("slot save/restore unavailable (%s); prefilling in the batch", exc)
+        return restored
 
     async def erase_idle(self, slots: set[int]) -> list[int]:
         """Empty the caches of those of `slots` that are idle now (a busy one may serve
@@ -104,6 +113,9 @@ class SlotCopies:
         # and the one that holds the most of its committed context
         self.touched: set[int] = set()
         self.fullest = -1
+        # the context prefix that the slots it has not touched are taken to hold (what
+        # its first round found cached; nothing after a cold start)
+        self.others_hold = 0
 
     def first_round(self, one_slot: bool) -> FirstRound:
         """The plan of a first round that has a drafter: one slot is prefilled (and
@@ -125,15 +137,17 @@ class SlotCopies:
         slots already hold its history has little to copy: the other slots catch up in
         the next batch."""
         assert self.replicator is not None
+        self.others_hold = n_cached
         if self.replicator.worth_copying(self.n_prompt - n_cached):
             self.touched.update(
                 await self.replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
             )
 
-    async def catch_up(self, id_slot: int, lag: int) -> None:
+    async def catch_up(self, id_slot: int, lag: int, n_context: int) -> None:
         """Before speculating after plain runs (or after a first round that prefilled
         one slot): copies of that slot, where copying is on and the others lag by
         enough tokens to be worth it."""
+        self.others_hold = n_context - lag
         replicator = self.replicator
         if replicator is None or not replicator.available or not replicator.worth_copying(lag):
             return
@@ -142,17 +156,18 @@ class SlotCopies:
 
     async def warm_for(self, n_prompts: int, n_context: int) -> bool:
         """Before a verify batch of `n_prompts` prompts over `n_context` tokens: where
-        fewer slots than that hold this generation's context, copy the fullest slot
-        into as many others, so that no prompt of the batch prefills the whole context
-        (a longer draft than the slots copied so far were meant for: exploring a
-        length, a round whose drafts were ready). At 4k on the H200 a slot prefilled
-        inside a verify batch cost seconds; a copy costs a fraction of that
-        (docs/BENCHMARKS.md, "Fifth run of the day"). True when it copied."""
+        fewer slots than that hold this generation's context, and the others lag by
+        enough to be worth a copy, copy the fullest slot into as many of them. This is a
+        round longer than the slots copied so far were meant for (exploring a length, a
+        round whose drafts were ready); without the copies its prompts in the other
+        slots would prefill what those lag by, the whole context on a cold start (0.6 s
+        a slot at 4k on the H200; docs/BENCHMARKS.md, "Fifth run of the day"). True when
+        it copied."""
         replicator = self.replicator
         missing = n_prompts - len(self.touched)
         if (
             replicator is None or not replicator.available or self.fullest < 0
-            or missing <= 0 or not replicator.worth_copying(n_context)
+            or missing <= 0 or not replicator.worth_copying(n_context - self.others_hold)
         ):  # fmt: skip
             return False
         copied = await replicator.replicate(

@@ -269,9 +269,10 @@ class DraftLengthPolicy:
     def slots_to_copy(self) -> int:
         """Slots a new request's prefilled slot should be copied into: what the rounds
         have been using (plus one for a longer round), all k until that is measured.
-        A slot not copied prefills in the first verify batch that needs it, which is
-        cheaper than copying it when few rounds reach it (a slot holds the whole
-        context's KV; docs/BENCHMARKS.md, "Measurements behind design choices")."""
+        A slot not copied is copied before the first verify batch that needs it
+        (`SlotCopies.warm_for`), which is cheaper than copying it up front when few
+        rounds reach it (a slot holds the whole context's KV; docs/BENCHMARKS.md,
+        "Measurements behind design choices")."""
         if not self.adaptive or self.prompts_per_round is None or self.rounds < _MIN_ROUNDS:
             return self.k_max
         return min(self.k_max, max(1, round(self.prompts_per_round)))
@@ -308,7 +309,8 @@ class DraftLengthPolicy:
     def observe(self, record: RoundRecord) -> None:
         """A finished round. Only a steady verify round with the draft's p counts: a
         plain run has no draft, and the verify time of a first round (prefilling) or of
-        one whose slots catch up after plain runs says nothing about the draft length."""
+        one whose slots catch up (after plain runs, or copied for it) says nothing
+        about the draft length."""
         probs = record.draft_probs
         n = len(probs)  # prompts - 1: what the verify time follows
         if record.plain_run or record.first or record.catch_up or not n:

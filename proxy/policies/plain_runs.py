@@ -239,8 +239,9 @@ class PlainRunGate:
             self._reconsider()
 
     def _observe_catch_up(self, round_ms: float, n_committed: int) -> None:
-        """The first speculative round after plain runs: the slots catch up on the runs'
-        tokens. Not a speculation speed; part of what a re-measurement costs."""
+        """The first speculative round after plain runs (the slots catch up on the runs'
+        tokens), or one that slots were copied for. Not a speculation speed; part of
+        what a re-measurement costs."""
         if self._spec_probe_left > 0:
             self._count_probe_loss(round_ms, n_committed)
 

@@ -4,6 +4,7 @@ speculation costs more per token than letting llama-server decode alone."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 import pytest
 
@@ -108,9 +109,11 @@ class CountingReplicator(SlotReplicator):
         super().__init__(upstream)
         self.calls = 0
 
-    async def replicate(self, id_slot: int, copies: int, filename: str) -> list[int]:
+    async def replicate(
+        self, id_slot: int, copies: int, filename: str, keep: Collection[int] = ()
+    ) -> list[int]:
         self.calls += 1
-        return await super().replicate(id_slot, copies, filename)
+        return await super().replicate(id_slot, copies, filename, keep)
 
 
 @pytest.mark.parametrize("plain_preferred", [True, False])

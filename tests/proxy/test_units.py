@@ -399,6 +399,9 @@ async def test_replication_failure_only_costs_speed():
     script = list(range(100, 120))
 
     class NoSlotSave(FakeUpstream):
+        async def slots(self):
+            return [{"id": i, "is_processing": False} for i in range(4)]
+
         async def slot_action(self, id_slot, action, filename):
             raise UpstreamError("http://x", "POST /slots/0?action=save: not supported", 502)
 
@@ -443,23 +446,34 @@ def test_text_behind_a_broken_sequence_is_held_back_as_the_server_does() -> None
     assert event.sent and event.text == b"\xe2ABC"
 
 
-async def test_slot_warm_up_copies_the_fullest_slot_into_slots_not_holding_the_context():
+class SlotServer:
+    """/slots and slot actions of a 7-slot server whose slot 5 is busy; `fail_on`:
+    the action (id, name) that fails, and with which error."""
+
+    def __init__(self, fail_on: tuple[tuple[int, str], Exception] | None = None) -> None:
+        self.actions: list[tuple[int, str]] = []
+        self.fail_on = fail_on
+
+    async def slots(self):
+        return [{"id": i, "is_processing": i == 5} for i in range(7)]
+
+    async def slot_action(self, id_slot, action, filename):
+        if self.fail_on is not None and self.fail_on[0] == (id_slot, action):
+            raise self.fail_on[1]
+        self.actions.append((id_slot, action))
+        return {}
+
+
+def slot_copies(server: SlotServer, n_prompt: int = 300):
     from proxy.engine import SlotReplicator
     from proxy.engine.slot_copies import SlotCopies
 
-    class SlotServer:
-        def __init__(self) -> None:
-            self.actions: list[tuple[int, str]] = []
+    return SlotCopies(SlotReplicator(server, min_prompt=64), "f.bin", n_prompt, lambda: 1)
 
-        async def slots(self):
-            return [{"id": i, "is_processing": i == 5} for i in range(7)]
 
-        async def slot_action(self, id_slot, action, filename):
-            self.actions.append((id_slot, action))
-            return {}
-
+async def test_slot_warm_up_copies_the_fullest_slot_into_slots_not_holding_the_context():
     server = SlotServer()
-    copies = SlotCopies(SlotReplicator(server, min_prompt=64), "f.bin", 300, lambda: 1)
+    copies = slot_copies(server)
     assert not await copies.warm_for(4, 300)  # no slot holds the context yet
     copies.used([0, 2], fullest=2)
     assert not await copies.warm_for(2, 300)  # enough slots
@@ -469,3 +483,38 @@ async def test_slot_warm_up_copies_the_fullest_slot_into_slots_not_holding_the_c
     assert server.actions == [(2, "save"), (1, "restore"), (3, "restore")]
     assert copies.touched == {0, 1, 2, 3}
     assert not await copies.warm_for(4, 300)
+
+
+async def test_slot_warm_up_leaves_slots_that_hold_most_of_the_context_to_catch_up():
+    """A new turn whose history the server's slots hold: the others lag by the new
+    tokens only, which they take in within the batch, as the first round judged."""
+    server = SlotServer()
+    copies = slot_copies(server)
+    await copies.after_first_round(0, n_cached=280)  # 20 new tokens: no copy
+    copies.used([0], fullest=0)
+    assert not await copies.warm_for(4, 310)
+    assert await copies.warm_for(4, 280 + 64)  # now they lag by a copy's worth
+    assert server.actions[0] == (0, "save")
+
+
+async def test_slot_warm_up_saves_nothing_without_a_free_slot():
+    server = SlotServer()
+    copies = slot_copies(server)
+    copies.used([0, 1, 2, 3, 4, 6], fullest=0)  # and 5 is busy
+    assert not await copies.warm_for(7, 300)
+    assert server.actions == []
+
+
+async def test_a_passing_copy_failure_keeps_copies_on_and_counts_the_slots_restored():
+    from proxy.server.upstream import UpstreamError
+
+    timeout = UpstreamError("http://x", "POST /slots/3?action=restore timed out", 504)
+    server = SlotServer(fail_on=((3, "restore"), timeout))
+    copies = slot_copies(server)
+    copies.used([0, 2], fullest=2)
+    assert await copies.warm_for(4, 300)
+    assert copies.touched == {0, 1, 2} and copies.replicator.available
+    refusal = UpstreamError("http://x", "POST /slots/2?action=save: not supported", 502)
+    server.fail_on = ((2, "save"), refusal)
+    assert not await copies.warm_for(5, 300)
+    assert not copies.replicator.available
