@@ -254,31 +254,43 @@ async def test_prompt_longer_than_context_is_the_servers_error(
     assert headers["X-Npu-Spec"] == "speculative"
 
 
-async def test_cold_start_copies_the_prefilled_slot(
-    spec_server, reference_drafter, http, ref_server
+async def generate_with_copies(
+    http, ref_server, spec_server, drafter, text: str, k: int, n_predict: int, **options
 ):
-    """A long prompt is prefilled once and restored into the other k slots: the first
-    verify batch then ingests a few tokens per slot, not k more prefills."""
-    prompt = (await tokenize(http, ref_server, PROMPTS[2] * 60))[:300]
-    k = 4
+    """A 300-token prompt through the engine with slot copies on, its output checked
+    against the server alone; the generation's result."""
+    prompt = (await tokenize(http, ref_server, text * 60))[:300]
     expected = await post_json(
         http,
         ref_server + "/completion",
-        {"prompt": prompt, "n_predict": 16, "temperature": 0, "return_tokens": True},
+        {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "return_tokens": True},
     )
     async with UpstreamClient(spec_server) as upstream:
         replicator = SlotReplicator(upstream)
         tokens, result = await generate(
             upstream,
             prompt,
-            GenerationParams(n_predict=16),
-            reference_drafter(),
+            GenerationParams(n_predict=n_predict),
+            drafter,
             settings=EngineSettings(k=k, check_decodes=True, strict_decodes=True),
             replicator=replicator,
-            slot_file="npu-spec-test-cold-start.bin",
+            **options,
         )
     assert replicator.available
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
+    return prompt, result
+
+
+async def test_cold_start_copies_the_prefilled_slot(
+    spec_server, reference_drafter, http, ref_server
+):
+    """A long prompt is prefilled once and restored into the other k slots: the first
+    verify batch then ingests a few tokens per slot, not k more prefills."""
+    k = 4
+    prompt, result = await generate_with_copies(
+        http, ref_server, spec_server, reference_drafter(), PROMPTS[2], k, 16,
+        slot_file="npu-spec-test-cold-start.bin",
+    )  # fmt: skip
     first, second = result.rounds[0], result.rounds[1]
     assert first.n_drafted == 0 and first.n_committed == 1
     assert first.prompt_tokens <= len(prompt)  # one prefill (less if cached)
@@ -293,29 +305,13 @@ async def test_rounds_longer_than_the_copies_copy_before_verifying(
     """The first round copied its slot into one other only (the policy's measured need),
     and later rounds verify k + 1 prompts: the missing slots are copied before the
     batch, so no prompt of it prefills the whole context; output unchanged."""
-    prompt = (await tokenize(http, ref_server, PROMPTS[1] * 60))[:300]
     k = 3
-    expected = await post_json(
-        http,
-        ref_server + "/completion",
-        {"prompt": prompt, "n_predict": 12, "temperature": 0, "return_tokens": True},
-    )
     policies = Policies.fresh(k, adaptive=False)
     policies.draft_length.slots_to_copy = lambda: 1  # type: ignore[method-assign]
-    async with UpstreamClient(spec_server) as upstream:
-        replicator = SlotReplicator(upstream)
-        tokens, result = await generate(
-            upstream,
-            prompt,
-            GenerationParams(n_predict=12),
-            reference_drafter(),
-            settings=EngineSettings(k=k, check_decodes=True, strict_decodes=True),
-            replicator=replicator,
-            slot_file="npu-spec-test-warm-for.bin",
-            policies=policies,
-        )
-    assert replicator.available
-    await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
+    _prompt, result = await generate_with_copies(
+        http, ref_server, spec_server, reference_drafter(), PROMPTS[1], k, 12,
+        slot_file="npu-spec-test-warm-for.bin", policies=policies,
+    )  # fmt: skip
     second = result.rounds[1]
     assert second.n_drafted == k and second.catch_up  # copied for it, not steady
     assert second.prompt_tokens <= (k + 1) * 1 + k * (k + 1) // 2, second
