@@ -1,0 +1,63 @@
+"""The drafter warm-up: a first session's costs are paid before anything is timed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from npu_draft.protocol import Draft
+from npu_draft.warmup import warm_up
+
+
+class RecordingModel:
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[str] = []
+        self.fail = fail
+
+    def open_session(self):
+        model = self
+
+        class Session:
+            def sync(self, tokens):
+                model.calls.append(f"sync {len(tokens)}")
+
+            def propose(self, k, *args, **kwargs):
+                if model.fail:
+                    raise RuntimeError("the NPU said no")
+                model.calls.append(f"propose {k}")
+                return Draft([1] * k)
+
+            def close(self):
+                model.calls.append("close")
+
+        return Session()
+
+
+def test_warm_up_drafts_rewinds_drafts_again_and_closes_its_session():
+    model = RecordingModel()
+    assert warm_up(model) >= 0.0
+    assert model.calls == ["sync 16", "propose 4", "sync 15", "propose 4", "close"]
+
+
+def test_a_failing_warm_up_is_a_warning_and_still_closes(caplog: pytest.LogCaptureFixture):
+    model = RecordingModel(fail=True)
+    with caplog.at_level(logging.WARNING, logger="npu_draft.warmup"):
+        warm_up(model)
+    assert model.calls == ["sync 16", "close"]
+    assert "warm-up failed" in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["onnx", "genai"])
+def test_warm_up_runs_on_the_factory_drafter(
+    demo_models, backend: str, caplog: pytest.LogCaptureFixture
+):
+    from npu_draft.load import load_drafter
+
+    model = load_drafter(demo_models / "draft", "cpu", backend=backend)
+    try:
+        with caplog.at_level(logging.WARNING, logger="npu_draft.warmup"):
+            warm_up(model)
+        assert "warm-up failed" not in caplog.text
+    finally:
+        model.close()
