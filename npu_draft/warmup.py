@@ -37,5 +37,5 @@ def warm_up(model: DraftModel) -> float:
         finally:
             session.close()
     except Exception:  # any backend's failure: only the timing is at stake
-        log.warning("drafter warm-up failed; its first timing may be too slow", exc_info=True)
+        log.warning("warming the drafter up failed; its first timing may be slow", exc_info=True)
     return (time.perf_counter() - started) * 1e3

@@ -493,11 +493,11 @@ def _drafter_opener(
 
     options = {"threads": settings.drafter_threads} if settings.drafter_threads else {}
     model = load_drafter(settings.drafter, settings.provider, target=target, **options)
-    warm_ms = warm_up(model)  # before the gate times it: first runs cost more
     log.info(
-        "drafter %s: backend %s on %s (warmed up in %.0f ms)",
-        model.info.name, model.info.backend, model.info.provider, warm_ms,
-    )  # fmt: skip
+        "drafter %s: backend %s on %s", model.info.name, model.info.backend, model.info.provider
+    )
+    # before the gate times it: a cold session's first runs cost more
+    log.info("warmed the drafter up in %.0f ms", warm_up(model))
 
     def open_session() -> AsyncSessionDrafter:
         return AsyncSessionDrafter(model.open_session())
