@@ -19,9 +19,9 @@ class LoopState:
     # the next round's other slots catch up: on a plain run's tokens, or on the whole
     # prompt where the first round prefilled one slot only and copied none
     after_run: bool = False
-    # while the other slots lag: the one that holds the whole context, and by how
-    # many tokens the others lag at least (fresh prompt tokens, plain-run tokens)
-    context_slot: int = -1
+    # while the other slots lag behind the one that holds the whole context
+    # (`SlotCopies.fullest`): by how many tokens at least (fresh prompt tokens, plain-run
+    # tokens)
     lag: int = 0
     # the last round while its choice to draft ahead awaits the next round's draft
     awaiting_overlap: RoundRecord | None = None

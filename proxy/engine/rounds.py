@@ -118,7 +118,6 @@ class Rounds:
         record.server_idle_ms = (started + record.verify_sent_ms / 1e3 - loop.last_back) * 1e3
         loop.last_back = started + record.verify_back_ms / 1e3
         loop.lag += len(run.tokens)
-        loop.context_slot = run.id_slot
         self.slots.used([run.id_slot], run.id_slot)
         for event in events:
             yield event
@@ -170,14 +169,12 @@ class Rounds:
         never past what the server may still produce (the last prompt of the batch must
         stay below the slot's context; the round commits at most k+1 tokens), none in a
         first round that prefills one slot."""
-        if loop.after_run and loop.context_slot >= 0:
+        if loop.after_run:
             # speculation again after plain runs: copy the slot that holds the context
             # into the slots the rounds use, instead of letting each of them prefill what
             # it lags by inside the next verify batch
-            await self.slots.catch_up(
-                loop.context_slot, loop.lag, len(self.prompt) + len(loop.text.tokens)
-            )
-        loop.context_slot, loop.lag = -1, 0
+            await self.slots.catch_up(loop.lag, len(self.prompt) + len(loop.text.tokens))
+        loop.lag = 0
         first = not loop.rounds and self.drafts.available
         one_slot = self.policies.prefers_plain() or self.policies.measuring_first()
         plan = self.slots.first_round(one_slot) if first else FirstRound()
@@ -230,7 +227,7 @@ class Rounds:
         if loop.first_round_end is None:
             loop.first_round_end = time.perf_counter()
         if round_.plan.one_slot:
-            loop.context_slot, loop.lag = first.id_slot, len(self.prompt) - first.cached
+            loop.lag = len(self.prompt) - first.cached
 
     async def _record(self, loop: LoopState, round_: _Round) -> None:
         """The round's record, checked (one server decode) and observed."""

@@ -136,23 +136,15 @@ class SlotCopies:
         """Copy the slot the first round prefilled. A new turn of a conversation whose
         slots already hold its history has little to copy: the other slots catch up in
         the next batch."""
-        assert self.replicator is not None
         self.others_hold = n_cached
-        if self.replicator.worth_copying(self.n_prompt - n_cached):
-            self.touched.update(
-                await self.replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
-            )
+        await self._copy(id_slot, self.slots_to_copy(), self.n_prompt - n_cached)
 
-    async def catch_up(self, id_slot: int, lag: int, n_context: int) -> None:
+    async def catch_up(self, lag: int, n_context: int) -> None:
         """Before speculating after plain runs (or after a first round that prefilled
-        one slot): copies of that slot, where copying is on and the others lag by
-        enough tokens to be worth it."""
+        one slot): copies of the slot that holds the context, where copying is on and
+        the others lag by enough tokens to be worth it."""
         self.others_hold = n_context - lag
-        replicator = self.replicator
-        if replicator is None or not replicator.available or not replicator.worth_copying(lag):
-            return
-        copied = await replicator.replicate(id_slot, self.slots_to_copy(), self.slot_file)
-        self.touched.update(copied)
+        await self._copy(self.fullest, self.slots_to_copy(), lag)
 
     async def warm_for(self, n_prompts: int, n_context: int) -> bool:
         """Before a verify batch of `n_prompts` prompts over `n_context` tokens: where
@@ -163,18 +155,29 @@ class SlotCopies:
         slots would prefill what those lag by, the whole context on a cold start (0.6 s
         a slot at 4k on the H200; docs/BENCHMARKS.md, "Fifth run of the day"). True when
         it copied."""
-        replicator = self.replicator
         missing = n_prompts - len(self.touched)
-        if (
-            replicator is None or not replicator.available or self.fullest < 0
-            or missing <= 0 or not replicator.worth_copying(n_context - self.others_hold)
-        ):  # fmt: skip
+        if missing <= 0:
             return False
-        copied = await replicator.replicate(
-            self.fullest, missing, self.slot_file, keep=self.touched
+        copied = await self._copy(
+            self.fullest, missing, n_context - self.others_hold, keep=self.touched
         )
-        self.touched.update(copied)
         return bool(copied)
+
+    async def _copy(
+        self, id_slot: int, copies: int, lag: int, keep: Collection[int] = ()
+    ) -> list[int]:
+        """Copy `id_slot` into up to `copies` other slots (none of `keep`) where copying
+        is on and the slots to fill lag by enough tokens to be worth it; they count as
+        touched."""
+        replicator = self.replicator
+        if (
+            replicator is None or not replicator.available or id_slot < 0
+            or not replicator.worth_copying(lag)
+        ):  # fmt: skip
+            return []
+        copied = await replicator.replicate(id_slot, copies, self.slot_file, keep=set(keep))
+        self.touched.update(copied)
+        return copied
 
     def used(self, slots: Iterable[int], fullest: int) -> None:
         """A verify batch or plain run used `slots`; `fullest` now holds the most of the
@@ -185,11 +188,10 @@ class SlotCopies:
     async def release(self) -> list[int]:
         """Empty the slots this generation touched, all but the fullest (its whole
         context, for the conversation's next turn). Called when the gate has chosen
-        plain decoding: the next requests pass through, and with unified KV every decode
-        step of theirs would attend over the cells these slots hold (masked, but read),
-        which makes plain decoding on this server slower than on llama-server alone at
-        long contexts."""
-        stale = self.touched - {self.fullest, -1}
+        plain decoding: the next requests pass through, and at long contexts stale
+        copies made plain decoding on this server slower than on llama-server alone
+        (docs/BENCHMARKS.md, "Fourth run of the day")."""
+        stale = self.touched - {self.fullest}
         if self.replicator is None or not self.replicator.available or not stale:
             return []
         return await self.replicator.erase_idle(stale)
