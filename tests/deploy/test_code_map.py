@@ -1,5 +1,6 @@
-"""The README's "Code map" names every module of proxy/ and npu_draft/ once, each under
-its own folder's heading, and nothing that is not in the tree."""
+"""The contributor document's "Code map" (docs/ARCHITECTURE.md) names every module of
+proxy/ and npu_draft/ once, each under its own folder's heading, and nothing that is not
+in the tree."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ from pathlib import Path
 from tests.deploy.stack import REPO
 
 PACKAGES = ("proxy", "npu_draft")
+ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
 ENTRY = re.compile(r"^- `([\w/]+\.py)`: \S")
 HEADING = re.compile(r"^\*\*`([\w/]+/)`")
 
 
-def code_map(readme: str) -> list[str]:
-    """The lines of the README's "Code map" section."""
-    section = readme.split("\n## Code map\n", 1)
-    assert len(section) == 2, 'README has no "## Code map" section'
+def code_map(document: str) -> list[str]:
+    """The lines of the document's "Code map" section."""
+    section = document.split("\n## Code map\n", 1)
+    assert len(section) == 2, 'docs/ARCHITECTURE.md has no "## Code map" section'
     return section[1].split("\n## ", 1)[0].splitlines()
 
 
@@ -46,12 +48,12 @@ def test_mapped_modules_parse() -> None:
 
 
 def test_the_code_map_matches_the_tree() -> None:
-    entries = mapped_modules(code_map((REPO / "README.md").read_text()))
+    entries = mapped_modules(code_map(ARCHITECTURE.read_text()))
     mapped = [module for module, _ in entries]
     assert len(mapped) == len(set(mapped)), "a module is listed twice"
     tree = tree_modules()
     assert not tree - set(mapped), (
-        f"missing from the README's code map: {sorted(tree - set(mapped))}"
+        f"missing from the code map in docs/ARCHITECTURE.md: {sorted(tree - set(mapped))}"
     )
     assert not set(mapped) - tree, (
         f"the code map names no such module: {sorted(set(mapped) - tree)}"
@@ -59,5 +61,5 @@ def test_the_code_map_matches_the_tree() -> None:
 
 
 def test_each_module_stands_under_its_folder() -> None:
-    for module, folder in mapped_modules(code_map((REPO / "README.md").read_text())):
+    for module, folder in mapped_modules(code_map(ARCHITECTURE.read_text())):
         assert str(Path(module).parent) + "/" == folder, f"{module} listed under {folder}"

@@ -63,3 +63,35 @@ def test_the_readme_attached_example_has_the_planned_flags() -> None:
     commands = [c for c in shell_commands(REPO / "README.md") if c[0] == "llama-server"]
     planned = verification_flags(ServerLayout(4, 4096), Path("/tmp/slots"))
     assert commands == [["llama-server", "-m", "model.gguf", "--port", "8081", *planned]]
+
+
+def _shown_default(value: object) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if isinstance(value, float) and value.is_integer():
+        return f"`{value:g}`"
+    return f"`{value}`"
+
+
+def test_every_setting_is_listed_with_its_default_and_option() -> None:
+    from proxy.config import ProxySettings
+    from proxy.serve_cmd import FLAGS
+
+    rows = re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \| ([^|]+) \| [^|]+ \|$",
+                      QUICKSTART.read_text(), re.M)  # fmt: skip
+    table = {name: (option.strip(), default.strip()) for name, option, default in rows}
+    assert set(table) == set(ProxySettings.model_fields)
+    for name, field in ProxySettings.model_fields.items():
+        option, default = table[name]
+        value = field.default_factory() if field.default_factory else field.default
+        assert default == _shown_default(value), name
+        assert option == (f"`{FLAGS[name]}`" if name in FLAGS else "(file or variable only)")
+
+
+def test_the_install_says_how_to_get_a_llama_server() -> None:
+    install = QUICKSTART.read_text().split("## 1. Install", 1)[1].split("\n## ", 1)[0]
+    assert "pip install ." in install and "brings no llama-server" in install
+    for way in ("LLAMA_SERVER", "npu-spec install-server", "PATH"):
+        assert way in install, way
