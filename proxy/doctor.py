@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import shlex
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from proxy.config import normalize_upstream_url
-from proxy.server.llama_server import LlamaServerNotFound, find_llama_server, server_version
 from proxy.user_errors import UserError
+
+# The checks import what they need when they run: `doctor --plan` reads one GGUF
+# header and should not wait for pydantic or an HTTP client to load.
 
 NPU_PROVIDER = "VitisAIExecutionProvider"
 
@@ -23,6 +26,8 @@ def _version(distribution: str) -> str | None:
 
 
 def llama_server_report(explicit: str | None) -> tuple[list[str], bool]:
+    from proxy.server.llama_server import LlamaServerNotFound, find_llama_server, server_version
+
     try:
         binary = find_llama_server(explicit)
     except LlamaServerNotFound as error:
@@ -63,7 +68,8 @@ def onnxruntime_report() -> list[str]:
 
 
 def upstream_report(url: str, k: int, conversations: int) -> tuple[list[str], bool]:
-    from proxy.server.attach_check import check_upstream
+    from proxy.config import normalize_upstream_url
+    from proxy.server.attach_check import check_upstream, restart_command
 
     try:
         url = normalize_upstream_url(url)
@@ -80,6 +86,20 @@ def upstream_report(url: str, k: int, conversations: int) -> tuple[list[str], bo
         fix = f" -> fix: {finding.fix}" if getattr(finding, "fix", None) else ""
         lines.append(f"  [{mark}] {finding.message}{fix}")
         healthy &= finding.severity != "error"
+    fixable = [f for f in findings if f.severity != "ok" and f.fix and f.fix.startswith("-")]
+    if fixable:
+        try:
+            command = asyncio.run(restart_command(url, k=k, conversations=conversations))
+        except Exception as error:  # the findings above still stand
+            lines.append(f"  (no restart command: {error})")
+        else:
+            lines.append(
+                f"  restart llama-server with every flag it needs ({command.ctx} tokens per "
+                "conversation, its context per slot now):"
+            )
+            lines.append("    " + shlex.join(command.argv))
+            if not command.own_flags_known:
+                lines.append("  (its command line is not visible from here: add your own flags)")
     return lines, healthy
 
 
@@ -94,7 +114,7 @@ def plan_report(args: argparse.Namespace) -> list[str]:
         raise UserError(f"model {model} does not exist", "give --model the path of a .gguf file")
     try:
         shape = read_kv_shape(model)
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, struct.error) as error:
         raise UserError(f"{model} does not read as a GGUF model ({error})") from None
     layout = ServerLayout(args.k, args.ctx, args.conversations, args.passthrough_slots)
     try:

@@ -7,14 +7,19 @@ command refuses (or degrades) on errors, and `npu-spec doctor --upstream` prints
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from proxy.server.local_server import kv_unified, local_server_command
+from proxy.server.managed import ServerLayout, verification_flags
 from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
+from proxy.user_errors import UserError
 
 Severity = Literal["error", "warning", "ok"]
 
@@ -106,6 +111,25 @@ def _unified_kv_finding(command: tuple[Sequence[str], Mapping[str, str]] | None)
     )
 
 
+class NothingListening(UserError):
+    """Nothing accepts connections at the upstream URL: no flag can fix that."""
+
+    def __init__(self, base_url: str, reason: str) -> None:
+        super().__init__(
+            f"nothing answers at {base_url} ({reason}): is llama-server running there?",
+            "start llama-server, or give --upstream the URL it listens on",
+        )
+
+
+def _connection_failure(base_url: str, exc: UpstreamError) -> NothingListening | None:
+    cause = exc.__cause__
+    if not isinstance(cause, aiohttp.ClientConnectorError):
+        return None
+    code = cause.os_error.errno
+    reason = os.strerror(code).lower() if code else str(cause.os_error)
+    return NothingListening(base_url, reason)
+
+
 async def check_upstream(
     base_url: str,
     k: int,
@@ -113,9 +137,10 @@ async def check_upstream(
     api_key: str | None = None,
     server_command: tuple[Sequence[str], Mapping[str, str]] | None = None,
 ) -> list[Finding]:
-    """Findings about the llama-server at `base_url`; `server_command` (argv and
+    """Findings about the llama-server at `base_url`, every one in one pass (a flag
+    that stops one check does not hide the others); `server_command` (argv and
     environment) where the caller knows how it was started, else read from /proc
-    when it runs on this machine."""
+    when it runs on this machine. Raises NothingListening when nothing answers."""
     if await is_npu_spec_proxy(base_url):
         return [
             Finding(
@@ -132,6 +157,11 @@ async def check_upstream(
         try:
             await upstream.health()
         except (UpstreamError, UpstreamClientError) as exc:
+            unreachable = (
+                _connection_failure(base_url, exc) if isinstance(exc, UpstreamError) else None
+            )
+            if unreachable is not None:
+                raise unreachable from None
             return [Finding("error", f"llama-server not healthy: {exc}")]
         findings.append(Finding("ok", f"llama-server at {base_url} is healthy"))
         props = await upstream.props()
@@ -139,7 +169,8 @@ async def check_upstream(
         findings.append(_slots_finding(slots, k, conversations))
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx", 0))
         findings.append(Finding("ok", f"context per slot: {n_ctx} tokens"))
-        if not props.get("endpoint_metrics", False):
+        metrics_on = bool(props.get("endpoint_metrics", False))
+        if not metrics_on:
             findings.append(
                 Finding(
                     "error",
@@ -147,18 +178,77 @@ async def check_upstream(
                     "--metrics",
                 )
             )
-            return findings
-        if slots < k + 1:
-            return findings
-        try:
-            rounds = await _probe_rounds(upstream, k)
-        except (UpstreamError, UpstreamClientError, KeyError) as exc:
-            findings.append(Finding("error", f"verify probe failed: {exc!r}"))
-            return findings
-        findings.append(_rounds_finding(rounds[1:]))
+        if metrics_on and slots >= k + 1:
+            try:
+                rounds = await _probe_rounds(upstream, k)
+            except (UpstreamError, UpstreamClientError, KeyError) as exc:
+                findings.append(Finding("error", f"verify probe failed: {exc!r}"))
+            else:
+                findings.append(_rounds_finding(rounds[1:]))
+        else:
+            findings.append(_unprobed_finding(server_command))
         findings.append(await _slot_save_finding(upstream))
         findings.append(_unified_kv_finding(server_command))
     return findings
+
+
+# flags verification_flags sets -> whether each takes a value (b11434's spellings)
+_VERIFICATION_FLAGS = {
+    "-np": True, "--parallel": True, "-c": True, "--ctx-size": True,
+    "--kv-unified-per-slot": True, "-kvu": False, "--kv-unified": False, "-no-kvu": False,
+    "--no-kv-unified": False, "--no-cache-idle-slots": False, "--cache-idle-slots": False,
+    "-cram": True, "--cache-ram": True, "--metrics": False, "--slot-save-path": True,
+}  # fmt: skip
+DEFAULT_SLOT_DIR = Path("/tmp/npu-spec-slots")
+
+
+def _own_arguments(argv: Sequence[str]) -> tuple[list[str], Path | None]:
+    """The server's arguments without those verification sets, and its slot folder."""
+    kept: list[str] = []
+    slot_dir: Path | None = None
+    items = iter(argv)
+    for arg in items:
+        flag, has_value, value = arg.partition("=")
+        if flag not in _VERIFICATION_FLAGS:
+            kept.append(arg)
+            continue
+        if _VERIFICATION_FLAGS[flag] and not has_value:
+            value = next(items, "")
+        if flag == "--slot-save-path" and value:
+            slot_dir = Path(value)
+    return kept, slot_dir
+
+
+@dataclass(frozen=True)
+class RestartCommand:
+    argv: list[str]
+    ctx: int  # context per conversation: the server's current context per slot
+    own_flags_known: bool  # False: the server's own flags (-ngl, ...) are not in argv
+
+
+async def restart_command(
+    base_url: str,
+    k: int,
+    conversations: int = 1,
+    api_key: str | None = None,
+    server_command: tuple[Sequence[str], Mapping[str, str]] | None = None,
+) -> RestartCommand:
+    """The one llama-server command line that passes every check for this k: the
+    server's own command (read on this machine; else its model and port) with the
+    verification flags for its current context per slot in place of any it had."""
+    if server_command is None:
+        server_command = await asyncio.to_thread(local_server_command, base_url)
+    async with UpstreamClient(base_url, api_key=api_key) as upstream:
+        props = await upstream.props()
+    ctx = int(props.get("default_generation_settings", {}).get("n_ctx", 0)) or 4096
+    if server_command is not None:
+        own, slot_dir = _own_arguments(server_command[0])
+    else:
+        port = urlsplit(base_url).port or 8080
+        own, slot_dir = ["llama-server", "-m", str(props.get("model_path", "MODEL.gguf"))], None
+        own += ["--port", str(port)]
+    flags = verification_flags(ServerLayout(k, ctx, conversations), slot_dir or DEFAULT_SLOT_DIR)
+    return RestartCommand(own + flags, ctx, own_flags_known=server_command is not None)
 
 
 def _slots_finding(slots: int, k: int, conversations: int) -> Finding:
@@ -195,6 +285,24 @@ def _rounds_finding(later: list[ProbeRound]) -> Finding:
             "--no-cache-idle-slots -cram 0",
         )
     return Finding("ok", "one llama_decode per verify round, no re-prefill")
+
+
+def _unprobed_finding(command: tuple[Sequence[str], Mapping[str, str]] | None) -> Finding:
+    """Without --metrics or k+1 slots the verify probe cannot run: idle-slot caching is
+    then judged from the command line where it is visible."""
+    argv = list(command[0]) if command is not None else []
+    has_flags = "--no-cache-idle-slots" in argv and any(
+        arg in ("-cram", "--cache-ram") and value == "0"
+        for arg, value in zip(argv, [*argv[1:], ""], strict=True)
+    )
+    if has_flags:
+        return Finding("ok", "idle-slot caching off (llama-server's command line)")
+    return Finding(
+        "warning",
+        "verify probe not run (it needs --metrics and k+1 slots); unless idle-slot caching "
+        "is off, every round re-prefills the slots",
+        "--no-cache-idle-slots -cram 0",
+    )
 
 
 async def _slot_save_finding(upstream: UpstreamClient) -> Finding:

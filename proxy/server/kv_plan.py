@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
-
+from proxy.server.gguf_header import read_metadata
 from proxy.server.managed import ServerLayout, verification_flags
 
 MIB = 1024 * 1024
@@ -35,22 +34,32 @@ class KvShape:
         return sum(heads * (self.key_length * k + self.value_length * v) for heads in self.kv_heads)
 
 
+# llama.cpp's KV cache types (common/arg.cpp kv_cache_types) -> (values per block,
+# bytes per block), as ggml's type traits give them
+CACHE_TYPES = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
+    "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
+}  # fmt: skip
+
+
 def type_bytes(name: str) -> float:
     """Bytes per value of a llama.cpp cache type (f16, bf16, f32, q8_0, q4_0, ...)."""
     try:
-        kind = gguf.GGMLQuantizationType[name.upper()]
+        block, size = CACHE_TYPES[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown KV cache type {name!r}; e.g. f16, q8_0") from None
-    block, size = gguf.GGML_QUANT_SIZES[kind]
+        raise ValueError(
+            f"unknown KV cache type {name!r}; one of {', '.join(CACHE_TYPES)}"
+        ) from None
     return size / block
 
 
 def read_kv_shape(model: Path) -> KvShape:
-    reader = gguf.GGUFReader(model)
+    """The KV shape from the GGUF header alone (no tensor data, no vocabulary)."""
+    fields = read_metadata(model)
 
     def value(key: str, default: object = None) -> object:
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
+        found = fields.get(key)
+        return default if found is None else found
 
     arch = str(value("general.architecture"))
     layers = int(value(f"{arch}.block_count"))
