@@ -1,6 +1,6 @@
 """Managed mode: start llama-server with the flags verification needs.
 
-The flags and why each is needed: README, "Running the proxy".
+The flags and why each is needed: docs/ARCHITECTURE.md, "How one round works".
 """
 
 from __future__ import annotations

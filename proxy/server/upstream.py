@@ -40,7 +40,7 @@ GREEDY_VERIFY_PARAMS: dict[str, Any] = {
 }
 
 
-# Sampling verification (README, "Sampling"): the request's own chain, every other sampler
+# Sampling verification (docs/CLIENTS.md, "Sampling"): the request's own chain, every other sampler
 # left out, and n_probs >= top_k with post_sampling_probs, so each result carries the
 # whole distribution the server samples from (top_k bounds its support).
 MAX_VERIFY_TOP_K = 128  # beyond this the per-round JSON gets heavy: pass through instead
