@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# What the browser test (tests/clients/test_web_ui_browser.py) needs, built once and
+# What the browser test (tests/proxy/test_web_ui_browser.py) needs, built once and
 # cached: llama.cpp's web UI from the pinned source (npm ci + npm run build, served by
 # the test's llama-server with --path, so llama-server itself needs no rebuild),
 # Debian's chromium, and playwright-core to drive it. Prints the three paths.
+#
+# Where a tool cannot be had (no node/npm, or no chromium and no root or apt-get to
+# install it), it prints one line saying why and exits with CANNOT (3): the test then
+# skips, except under CI, where it must run.
 #
 # The stock llama-server build embeds no UI here: its CMake fetches a prebuilt one
 # from Hugging Face, which this machine cannot reach, and LLAMA_BUILD_UI=ON would
@@ -10,6 +14,15 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
+CANNOT=3
+
+cannot() { echo "$1" >&2; exit "$CANNOT"; }
+command -v npm >/dev/null && command -v node >/dev/null \
+  || cannot "node and npm are not installed (needed to build llama.cpp's web UI and drive chromium)"
+if ! command -v chromium >/dev/null; then
+  command -v apt-get >/dev/null || cannot "chromium is not installed and there is no apt-get to install it"
+  [ "$(id -u)" -eq 0 ] || cannot "chromium is not installed and installing it needs root (apt-get install chromium)"
+fi
 read -r SRC BUILD CACHE < <(cd "$REPO" && "$PY" -c '
 from proxy.server.server_install import LLAMA_CPP_BUILD, cache_root, fetch_source
 print(fetch_source(), LLAMA_CPP_BUILD, cache_root())')
