@@ -262,8 +262,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         {
             "metavar": "KEY",
             "dest": "upstream_api_key",
-            "help": "key the proxy sends to "
-            "llama-server (default: attached, clients' keys are forwarded; managed, a random one)",
+            "help": "key the proxy sends to llama-server (default: attached, clients' keys "
+            "are forwarded; managed, a random one when --api-key is set, else none)",
         },
     ),
     (
@@ -628,14 +628,21 @@ async def _start_managed(settings: ProxySettings, running: _Running) -> tuple[st
 async def _check_attached(settings: ProxySettings, base_url: str, api_key: str | None) -> bool:
     """Log what the attached server's flags allow; True when one-decode verification
     is impossible there."""
-    from proxy.server.attach_check import check_upstream
+    from proxy.server.attach_check import check_upstream, restart_command
 
+    # nothing listening there raises NothingListening: one line, no flag to fix
     findings = await check_upstream(base_url, settings.k, settings.conversations, api_key=api_key)
     for finding in findings:
         level = logging.ERROR if finding.severity == "error" else logging.INFO
         fix = f" (fix: {finding.fix})" if finding.fix else ""
         log.log(level, "%s: %s%s", finding.severity, finding.message, fix)
-    return any(finding.severity == "error" for finding in findings)
+    failed = any(finding.severity == "error" for finding in findings)
+    if failed and any(f.severity == "error" and (f.fix or "").startswith("-") for f in findings):
+        command = await restart_command(
+            base_url, settings.k, settings.conversations, api_key=api_key
+        )
+        log.error("restart llama-server with every flag it needs: %s", shlex.join(command.argv))
+    return failed
 
 
 async def _read_tokenizer_facts(upstream: UpstreamClient) -> Any:

@@ -11,12 +11,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from proxy.api import formats, shapes
 from proxy.api.errors import error_response, json_error_response, upstream_error_response
 from proxy.api.guard import (
-    NOT_JSON,
+    OWN_ANSWER,
+    PUBLIC_PATHS,
     RESERVED_SLOT_PREFIX,
     GuardSettings,
     middlewares,
@@ -189,6 +191,8 @@ def create_app(state: ProxyState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
+    for path in PUBLIC_PATHS:
+        app.router.add_get(path, health)
     app.router.add_route("*", "/{tail:.*}", passthrough)
     return app
 
@@ -223,8 +227,28 @@ async def metrics(request: web.Request) -> web.Response:
     except UpstreamError as exc:
         log.debug("no upstream metrics: %s", exc)
     response = web.Response(text=page, content_type="text/plain")
-    response.headers[HEADER] = "speculative"
+    response.headers[HEADER] = OWN_ANSWER
     return response
+
+
+async def health(request: web.Request) -> web.Response:
+    """The proxy's own health: llama-server's /health answer (status and body, so
+    health checks read it as they read the server's), marked as the proxy's."""
+    upstream = request.app[STATE].upstream
+    timeout = aiohttp.ClientTimeout(total=upstream.timeouts.control)
+    try:
+        async with upstream.session.get(upstream.base_url + "/health", timeout=timeout) as answer:
+            body, content_type = await answer.read(), answer.content_type
+            status = answer.status
+    except TimeoutError:
+        error = UpstreamError(upstream.base_url, "GET /health timed out", 504)
+        return upstream_error_response(error, spec_header=OWN_ANSWER)
+    except aiohttp.ClientError as exc:
+        error = UpstreamError(upstream.base_url, f"GET /health: {exc}", 503)
+        return upstream_error_response(error, spec_header=OWN_ANSWER)
+    return web.Response(
+        status=status, body=body, content_type=content_type, headers={HEADER: OWN_ANSWER}
+    )
 
 
 PLAIN_PREFERRED = "plain decoding is measured faster than speculating here"
@@ -428,8 +452,8 @@ async def _serve_request(
     if state.drafters is None:
         return await pass_on("no drafter configured")
     body = parsed_body(request)  # the guard parsed every non-empty body
-    if body is None or body is NOT_JSON:
-        return await pass_on("no JSON body: the server answers with its own error")
+    if body is None:
+        return await pass_on("no body: the server answers with its own error")
     try:
         prompt = await read(state, body)
     except NotEligible as exc:

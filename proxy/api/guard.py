@@ -28,9 +28,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 # Slot files the proxy writes start with this; clients may not name them.
 RESERVED_SLOT_PREFIX = "npu-spec-"
-# The parsed JSON body, or NOT_JSON when a body was there but did not parse.
+# The parsed JSON body (a body that does not parse never reaches a route).
 JSON_BODY: web.RequestKey[Any] = web.RequestKey("npu_spec_json_body", object)
-NOT_JSON = object()
 _SLOT_ACTION = re.compile(r"^/slots/[^/]*$")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 SPEC_HEADER = "X-Npu-Spec"
@@ -46,8 +45,7 @@ class GuardSettings:
 
 
 def parsed_body(request: web.Request) -> Any:
-    """The JSON body the guard parsed: None when there was none, NOT_JSON when it
-    did not parse (llama-server answers such bodies with its own 400)."""
+    """The JSON body the guard parsed: None when there was none."""
     return request.get(JSON_BODY)
 
 
@@ -203,13 +201,13 @@ def body_middleware(settings: GuardSettings) -> Callable:
             )
         raw = await request.read()  # client_max_size bounds a body without a length
         if raw and not request.content_type.startswith("multipart/"):
-            # Parsed once here, for the routes and the checks below. What does not
-            # parse (bad UTF-8, deep nesting, syntax) goes on unparsed: llama-server
-            # answers it with its own 400 (checked by tests/reliability).
+            # Parsed once here, for the routes and the checks below. Every POST route
+            # of llama-server takes JSON, so a body that does not parse (bad UTF-8,
+            # deep nesting, syntax) is refused here, in the OpenAI error format.
             try:
                 body = json.loads(raw.decode("utf-8"))
-            except (ValueError, RecursionError):
-                body = NOT_JSON
+            except (ValueError, RecursionError) as error:
+                return error_response(400, f"request body is not valid JSON: {_why(error)}")
             request[JSON_BODY] = body
             problem = (
                 out_of_vocab(request.path, body, settings.n_vocab)
@@ -221,6 +219,14 @@ def body_middleware(settings: GuardSettings) -> Callable:
         return await handler(request)
 
     return check_body
+
+
+def _why(error: ValueError | RecursionError) -> str:
+    if isinstance(error, UnicodeDecodeError):
+        return f"invalid UTF-8 at byte {error.start}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} at line {error.lineno} column {error.colno}"
+    return "nested too deeply"
 
 
 def slot_middleware(settings: GuardSettings) -> Callable:

@@ -155,3 +155,15 @@ def test_a_server_that_fails_to_start_is_an_error_not_a_traceback(tmp_path: Path
     )  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "exited with code 1" in result.stderr and "cannot load model" in result.stderr
+
+
+def test_nothing_listening_at_the_upstream_is_named() -> None:
+    from proxy.server.llama_server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    line = one_line_error(npu_spec("serve", "--upstream", url, "--port", "0"))
+    assert f"nothing answers at {url} (connection refused): is llama-server running there?" in line
+    assert "flags" not in line and "attach-policy" not in line  # no flag can fix it
+    result = npu_spec("doctor", "--upstream", url)
+    assert result.returncode == 1
+    assert f"upstream {url}: UNREACHABLE - nothing answers at {url}" in result.stdout

@@ -156,3 +156,54 @@ def test_the_quickstart_shows_what_the_plan_prints(tmp_path: Path) -> None:
     for line in lines:
         assert line.replace(shown, "/home/you/models/Qwen3-32B-Q4_K_M.gguf") in quickstart, line
     assert "12288.00 MiB for 49152 cells" in lines[2]
+
+
+def _restart_line(text: str) -> list[str] | None:
+    lines = text.splitlines()
+    for index, line in enumerate(lines):
+        if line.strip().startswith("restart llama-server with every flag it needs"):
+            return shlex.split(lines[index + 1])
+    return None
+
+
+@pytest.mark.server
+async def test_one_doctor_pass_names_every_flag_and_its_command_fixes_them(
+    demo_models: Path, llama_server_bin: Path, tmp_path: Path
+) -> None:
+    """llama-server started with nothing but its model (and a small context, which only
+    sizes the cache): one doctor run names every flag verification needs and prints one
+    command line; the server started with that command passes every check."""
+    from proxy.server.llama_server import LlamaServerProcess
+
+    model = demo_models / "target.gguf"
+    plain = LlamaServerProcess(llama_server_bin, model, ["-c", "1024"])
+    await plain.start()
+    try:
+        code, text = await asyncio.to_thread(_run_doctor, upstream=plain.base_url, k=4)
+    finally:
+        await plain.stop()
+    assert code == 1, text
+    for flag in ("-np 6", "--metrics", "--no-cache-idle-slots -cram 0", "--slot-save-path"):
+        assert f"fix: {flag}" in text, (flag, text)
+    command = _restart_line(text)
+    assert command is not None, text
+    # the server's own command, with the verification flags
+    assert command[:3] == [str(llama_server_bin), "-m", str(model)], command
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    own = {"-m": str(model), "--host": plain.host, "--port": str(plain.port)}
+    args, items = [], iter(command[1:])
+    for arg in items:
+        if arg in own:
+            assert next(items) == own[arg]
+        else:
+            args.append(str(slots) if arg == "/tmp/npu-spec-slots" else arg)
+    assert args[:2] == ["-np", "6"], args  # its -c replaced by the planned one
+    restarted = LlamaServerProcess(llama_server_bin, model, args)
+    await restarted.start()
+    try:
+        code, text = await asyncio.to_thread(_run_doctor, upstream=restarted.base_url, k=4)
+    finally:
+        await restarted.stop()
+    assert code == 0, text
+    assert "FAIL" not in text and "WARN" not in text and _restart_line(text) is None, text
