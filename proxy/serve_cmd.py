@@ -330,7 +330,8 @@ NPU_SPEC_, in lower case (k = 4, drafter = "/models/drafter", server_args = ["-n
 "99"]; a list in a variable is JSON: NPU_SPEC_SERVER_ARGS='["-ngl", "99"]'). The
 command line beats the environment, which beats the file. Settings with no option of
 their own: queue_timeout_s, strict_decodes, retry_after_s, passthrough_read_timeout_s,
-max_restarts, server_host, slot_save_dir.
+max_restarts, server_host, slot_save_dir. docs/QUICKSTART.md lists every setting with
+its default.
 
 --server-arg takes a shell-like line, so a flag and its value go together; a flag
 alone needs "=" (else it reads as an option of npu-spec):

@@ -73,3 +73,17 @@ def test_server_arg_keeps_a_flag_with_its_value() -> None:
     line += " --server-arg '-a \"my model\"'"
     args = parser.parse_args(shlex.split(line))
     assert settings_from_args(args).server_args == ["-ngl", "99", "--no-mmap", "-a", "my model"]
+
+
+def test_the_upstream_key_help_says_when_managed_mode_makes_one() -> None:
+    (action,) = [a for a in _serve_options() if a.dest == "upstream_api_key"]
+    # managed mode makes a random server key only when clients need a key (serve_cmd)
+    assert "managed, a random one when --api-key is set, else none" in action.help
+
+
+def test_the_settings_without_an_option_are_named_in_the_help() -> None:
+    from proxy.serve_cmd import EPILOG, FLAGS
+
+    for name in set(ProxySettings.model_fields) - set(FLAGS):
+        assert name in EPILOG, name
+    assert "docs/QUICKSTART.md" in EPILOG
