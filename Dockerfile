@@ -10,6 +10,11 @@
 # files of the Ryzen AI NPU driver bundle (XRT and its amdxdna plugin) and the *.whl
 # files of the Ryzen AI Software archive (onnxruntime-vitisai and what comes with it).
 # docs/STRIX_HALO.md says where to get them.
+#
+# Behind a TLS-inspecting proxy, give pip the host's CA bundle as a build secret: it is
+# mounted for the one RUN that downloads and never becomes part of a layer.
+#
+#   docker build --secret id=ca-certificates,src=/etc/ssl/certs/ca-certificates.crt -t npu-spec:cpu .
 ARG ORT_BUILD=cpu
 
 FROM python:3.12-slim-bookworm AS base-cpu
@@ -17,12 +22,14 @@ FROM python:3.12-slim-bookworm AS base-cpu
 FROM ubuntu:24.04 AS base-vitisai
 ENV XILINX_XRT=/opt/xilinx/xrt \
     LD_LIBRARY_PATH=/opt/xilinx/xrt/lib
-RUN --mount=type=bind,source=npu-packages,target=/npu-packages \
+# The whole context is mounted, not npu-packages/ alone: without that folder a bind mount
+# of it fails with a builder error instead of the message below.
+RUN --mount=type=bind,source=.,target=/src \
     set -eu; \
-    ls /npu-packages/*.deb >/dev/null 2>&1 \
+    ls /src/npu-packages/*.deb >/dev/null 2>&1 \
       || { echo "ORT_BUILD=vitisai: put AMD's XRT *.deb files in npu-packages/" >&2; exit 1; }; \
     apt-get update; \
-    apt-get install -y --no-install-recommends python3 python3-venv /npu-packages/*.deb; \
+    apt-get install -y --no-install-recommends python3 python3-venv /src/npu-packages/*.deb; \
     rm -rf /var/lib/apt/lists/*
 
 # Stage names pick the base: only the one asked for is built.
@@ -38,7 +45,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # The build context is bind-mounted (read-write, discarded) rather than copied: pip builds
 # the package in place and no source layer stays behind. .dockerignore keeps models out.
 RUN --mount=type=bind,source=.,target=/src,rw \
+    --mount=type=secret,id=ca-certificates,target=/run/secrets/ca-certificates \
     set -eu; \
+    if [ -s /run/secrets/ca-certificates ]; then export PIP_CERT=/run/secrets/ca-certificates; fi; \
     python3 -m venv "$VIRTUAL_ENV"; \
     pip install /src; \
     if [ "$ORT_BUILD" = vitisai ]; then \

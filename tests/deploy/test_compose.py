@@ -267,3 +267,31 @@ def test_every_service_reads_the_same_layout() -> None:
     for name, service in services.items():
         layout = {key: service["environment"].get(key) for key in LAYOUT_VARIABLES}
         assert layout == {key: env[key] for key in LAYOUT_VARIABLES}, name
+
+
+@pytest.fixture
+def env_binary(tmp_path) -> Path:
+    """A stand-in server that prints the API-key variables it was started with."""
+    binary = tmp_path / "llama-server"
+    binary.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        "print(json.dumps({'argv': sys.argv[1:], 'env': {k: v for k, v in os.environ.items()"
+        " if 'API_KEY' in k}}))\n"
+    )
+    binary.chmod(0o755)
+    return binary
+
+
+@pytest.mark.parametrize("name", ["llama-server", "llama-server-plain"])
+def test_the_api_key_guards_every_llama_server_too(name: str, env_binary: Path) -> None:
+    """A key in .env is asked for by the published llama-server ports as well (no way around
+    the proxy), through llama-server's own variable, never on its command line."""
+    keyed = load_compose(stack_env(TARGET_MODEL="t.gguf", NPU_SPEC_API_KEY="s3cret"))
+    seen = _server_command(keyed["services"][name], env_binary)
+    assert seen["env"] == {"LLAMA_API_KEY": "s3cret"}
+    assert not any("s3cret" in arg for arg in seen["argv"])
+    assert keyed["services"]["npu-spec"]["environment"]["NPU_SPEC_API_KEY"] == "s3cret"
+
+    open_stack = load_compose(stack_env(TARGET_MODEL="t.gguf"))
+    assert read_env_file()["NPU_SPEC_API_KEY"] == ""  # the shipped default: no key
+    assert _server_command(open_stack["services"][name], env_binary)["env"] == {}

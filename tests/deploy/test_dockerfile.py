@@ -11,6 +11,7 @@ import sys
 import threading
 import tomllib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +194,86 @@ def test_healthcheck_passes_only_when_health_answers_ok(health_server) -> None:
     # and it asks the port the proxy listens on by default
     default_port = ProxySettings.model_fields["port"].default
     assert env_instructions(FINAL)["NPU_SPEC_PORT"] == str(default_port)
+
+
+def _run_parts(arguments: str) -> tuple[list[str], str]:
+    """A RUN instruction's --mount options and its shell script."""
+    mounts = []
+    while arguments.startswith("--mount="):
+        option, _, arguments = arguments.partition(" ")
+        mounts.append(option.removeprefix("--mount="))
+        arguments = arguments.lstrip()
+    return mounts, arguments
+
+
+def _stage(name: str) -> list[tuple[str, str]]:
+    start = next(
+        i for i, (kw, a) in enumerate(INSTRUCTIONS) if kw == "FROM" and a.endswith(f" AS {name}")
+    )
+    end = next(i for i in range(start + 1, len(INSTRUCTIONS)) if INSTRUCTIONS[i][0] == "FROM")
+    return INSTRUCTIONS[start:end]
+
+
+def _pip_run() -> tuple[list[str], str]:
+    (run,) = [a for kw, a in FINAL if kw == "RUN" and "pip install /src;" in a]
+    return _run_parts(run)
+
+
+def test_the_host_ca_bundle_is_a_build_secret_never_a_layer() -> None:
+    mounts, script = _pip_run()
+    secret = "type=secret,id=ca-certificates,target=/run/secrets/ca-certificates"
+    assert secret in mounts
+    # pip trusts the bundle only when the builder was given it
+    assert "if [ -s /run/secrets/ca-certificates ]; then export PIP_CERT=" in script
+    for keyword, arguments in INSTRUCTIONS:
+        assert keyword not in ("COPY", "ADD"), f"{keyword} {arguments}: a file in a layer"
+        assert "update-ca-certificates" not in arguments and "PIP_CERT" not in (
+            arguments if keyword == "ENV" else ""
+        )
+
+
+@pytest.fixture
+def vitisai_run(tmp_path) -> tuple[str, Path]:
+    """The base-vitisai RUN with the build context at tmp_path/src and apt-get faked."""
+    ((mounts, script),) = [_run_parts(a) for kw, a in _stage("base-vitisai") if kw == "RUN"]
+    # the whole context: a bind mount of npu-packages/ fails without that folder, before
+    # the one-line message could say what is missing
+    assert mounts == ["type=bind,source=.,target=/src"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "apt-get"
+    fake.write_text(f'#!/bin/sh\necho "apt-get $*" >> {tmp_path}/apt.log\n')
+    fake.chmod(0o755)
+    (tmp_path / "src").mkdir()
+    assert script.count("/var/lib/apt/lists/") == 1  # never the host's own lists
+    script = script.replace("/src/", f"{tmp_path}/src/")
+    script = script.replace("/var/lib/apt/lists/", f"{tmp_path}/lists/")
+    return script, tmp_path
+
+
+def _sh(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": f"{tmp_path}/bin:{os.environ['PATH']}"}
+    return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True)
+
+
+def test_vitisai_build_stops_with_one_line_where_amds_packages_are_needed(vitisai_run) -> None:
+    script, tmp_path = vitisai_run
+    done = _sh(script, tmp_path)
+    assert done.returncode != 0
+    assert done.stderr == "ORT_BUILD=vitisai: put AMD's XRT *.deb files in npu-packages/\n"
+    assert not (tmp_path / "apt.log").exists()  # stopped before installing anything
+
+    (tmp_path / "src" / "npu-packages").mkdir()
+    (tmp_path / "src" / "npu-packages" / "xrt_202520.deb").write_bytes(b"")
+    done = _sh(script, tmp_path)
+    assert done.returncode == 0, done.stderr
+    installed = (tmp_path / "apt.log").read_text()
+    assert f"{tmp_path}/src/npu-packages/xrt_202520.deb" in installed
+
+
+def test_vitisai_wheels_are_checked_with_one_line_too() -> None:
+    _, script = _pip_run()
+    assert (
+        'ls /src/npu-packages/*.whl >/dev/null 2>&1 || { echo "ORT_BUILD=vitisai: put the '
+        'Ryzen AI *.whl files in npu-packages/" >&2; exit 1; }'
+    ) in " ".join(script.split())
