@@ -98,6 +98,11 @@ def upstream_report(url: str, k: int, conversations: int) -> tuple[list[str], bo
                 "conversation, its context per slot now):"
             )
             lines.append("    " + shlex.join(command.argv))
+            slot_dir = Path(command.argv[command.argv.index("--slot-save-path") + 1])
+            if not slot_dir.is_dir():  # llama-server refuses a missing folder
+                lines.append(
+                    f"  (create its slot folder first: mkdir -p {shlex.quote(str(slot_dir))})"
+                )
             if not command.own_flags_known:
                 lines.append("  (its command line is not visible from here: add your own flags)")
     return lines, healthy
