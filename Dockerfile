@@ -32,6 +32,19 @@ RUN --mount=type=bind,source=.,target=/src \
     apt-get install -y --no-install-recommends python3 python3-venv /src/npu-packages/*.deb; \
     rm -rf /var/lib/apt/lists/*
 
+# The package's wheel, built from a copy of its sources in a stage of its own: pip writes
+# build/ and *.egg-info next to the sources, and podman's builder writes a read-write
+# bind mount of the context through to the checkout. No source layer reaches the image.
+FROM base-${ORT_BUILD} AS wheel
+COPY pyproject.toml README.md /src/
+COPY proxy/ /src/proxy/
+COPY npu_draft/ /src/npu_draft/
+RUN --mount=type=secret,id=ca-certificates,target=/run/secrets/ca-certificates \
+    set -eu; \
+    if [ -s /run/secrets/ca-certificates ]; then export PIP_CERT=/run/secrets/ca-certificates; fi; \
+    python3 -m venv /tmp/venv; \
+    /tmp/venv/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels /src
+
 # Stage names pick the base: only the one asked for is built.
 FROM base-${ORT_BUILD}
 ARG ORT_BUILD
@@ -42,14 +55,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     VIRTUAL_ENV=/opt/npu-spec \
     PATH=/opt/npu-spec/bin:$PATH
 
-# The build context is bind-mounted (read-write, discarded) rather than copied: pip builds
-# the package in place and no source layer stays behind. .dockerignore keeps models out.
-RUN --mount=type=bind,source=.,target=/src,rw \
+# The wheel and the context (AMD's packages) are bind-mounted, read-only, not copied:
+# nothing of them stays in a layer. .dockerignore keeps models and the venv out.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    --mount=type=bind,source=.,target=/src \
     --mount=type=secret,id=ca-certificates,target=/run/secrets/ca-certificates \
     set -eu; \
     if [ -s /run/secrets/ca-certificates ]; then export PIP_CERT=/run/secrets/ca-certificates; fi; \
     python3 -m venv "$VIRTUAL_ENV"; \
-    pip install /src; \
+    pip install /wheels/npu_spec-*.whl; \
     if [ "$ORT_BUILD" = vitisai ]; then \
       ls /src/npu-packages/*.whl >/dev/null 2>&1 \
         || { echo "ORT_BUILD=vitisai: put the Ryzen AI *.whl files in npu-packages/" >&2; exit 1; }; \

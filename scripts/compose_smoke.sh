@@ -34,7 +34,9 @@ WORK=$(mktemp -d /var/tmp/npu-spec-smoke.XXXXXX)
 PROJECT=npusmoke$$
 ENGINE=""
 ENV_FILE=""
-MADE_IMAGES=()  # docker only: images this run added (podman's whole store is WORK's)
+CNI_RULES=""
+MADE_IMAGES=()
+cni_rules() { iptables -t nat -S 2>/dev/null | grep -c -- CNI- || true; }  # docker only: images this run added (podman's whole store is WORK's)
 
 if command -v docker >/dev/null && docker info >/dev/null 2>&1 \
     && docker compose version >/dev/null 2>&1; then
@@ -61,12 +63,12 @@ runroot = "$WORK/podman/run"
 EOF
   # vfs, cgroupfs, a file for events and runc: what works without systemd or overlayfs.
   limits=""
-  hard_nofile=$(ulimit -Hn)
-  if [ "$hard_nofile" != unlimited ] && [ "$hard_nofile" -lt 1048576 ] \
+  NOFILE=$(ulimit -Hn)
+  if [ "$NOFILE" != unlimited ] && [ "$NOFILE" -lt 1048576 ] \
       && ! (ulimit -Hn 1048576) 2>/dev/null; then
     # podman asks for nofile=1048576 by default and runc fails to set it
-    limits="default_ulimits = [\"nofile=$hard_nofile:$hard_nofile\", \"nproc=32768:32768\"]"
-    say "open-files hard limit is $hard_nofile and cannot be raised here: containers get nofile=$hard_nofile, nproc=32768"
+    limits="default_ulimits = [\"nofile=$NOFILE:$NOFILE\", \"nproc=32768:32768\"]"
+    say "open-files hard limit is $NOFILE and cannot be raised here (no CAP_SYS_RESOURCE): containers get nofile=$NOFILE, nproc=32768"
   fi
   cat >"$WORK/podman/containers.conf" <<EOF
 [containers]
@@ -81,6 +83,7 @@ runtime = "runc"
 tmp_dir = "$WORK/podman/libpod"
 EOF
   export CONTAINERS_STORAGE_CONF=$WORK/podman/storage.conf
+  command -v iptables >/dev/null && CNI_RULES=$(cni_rules)  # port forwarding lives there
   export CONTAINERS_CONF=$WORK/podman/containers.conf
   # PyPI's podman-compose: Debian's 1.0.3 predates the `!reset` tags of the override file.
   python3 -m venv "$WORK/compose-venv"
@@ -111,9 +114,19 @@ cleanup() {
   [ -n "$ENGINE" ] && [ ${#MADE_IMAGES[@]} -gt 0 ] \
     && "$ENGINE" rmi -f "${MADE_IMAGES[@]}" >/dev/null 2>&1
   left=0
-  [ -n "$ENGINE" ] && left=$( { containers; "$ENGINE" volume ls -q --filter "label=com.docker.compose.project=$PROJECT"
-            "$ENGINE" network ls -q --filter "label=com.docker.compose.project=$PROJECT"
-            [ "$ENGINE" = podman ] && podman images -q; } 2>/dev/null | wc -l)
+  if [ "$ENGINE" = podman ]; then  # the store is the smoke's own: anything in it is left over
+    left=$( { podman ps -aq; podman volume ls -q; podman images -q
+              podman network ls --format '{{.Name}}' | grep -vx podman; } 2>/dev/null | wc -l)
+    if [ -n "$CNI_RULES" ] && [ "$(cni_rules)" != "$CNI_RULES" ]; then
+      say "FAIL: the host's CNI firewall rules changed ($CNI_RULES before, $(cni_rules) now)" >&2
+      left=$(( left + 1 ))
+    fi
+  elif [ "$ENGINE" = docker ]; then
+    left=$( { containers; for i in "${MADE_IMAGES[@]}"; do docker image inspect -f x "$i"; done
+              docker volume ls -q --filter "label=com.docker.compose.project=$PROJECT"
+              docker network ls -q --filter "label=com.docker.compose.project=$PROJECT"
+            } 2>/dev/null | wc -l)
+  fi
   rm -rf "$WORK"
   if [ "$left" != 0 ]; then
     say "FAIL: $left containers, volumes, networks or images left after compose down" >&2
@@ -128,6 +141,13 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 have_image() { "$ENGINE" image inspect "$1" >/dev/null 2>&1; }
+qualified() {  # python:3.12 -> docker.io/library/python:3.12, as docker names it; podman
+  local first=${1%%/*}  # would tag a short name as localhost/python:3.12
+  case $1 in
+    */*) case $first in *.*|*:*|localhost) echo "$1" ;; *) echo "docker.io/$1" ;; esac ;;
+    *) echo "docker.io/library/$1" ;;
+  esac
+}
 pull() {  # the registry's image where one answers; else the caller makes a stand-in
   have_image "$1" && return 0
   if timeout 600 "$ENGINE" pull -q "$1" >/dev/null 2>&1; then
@@ -157,8 +177,8 @@ rootfs_image() {  # Debian bookworm with Python 3.11 and venv, as one image
 for base in $(awk 'toupper($1) == "FROM" && $2 !~ /\$/ {print $2}' Dockerfile); do
   pull "$base" && continue
   rootfs_image
-  "$ENGINE" tag "$ROOTFS_IMAGE" "$base"
-  MADE_IMAGES+=("$base")
+  "$ENGINE" tag "$ROOTFS_IMAGE" "$(qualified "$base")"
+  MADE_IMAGES+=("$(qualified "$base")")
   say "stand-in $base: Debian bookworm, Python $("$ENGINE" run --rm "$ROOTFS_IMAGE" python3 -c 'import platform; print(platform.python_version())')"
 done
 
@@ -249,9 +269,13 @@ if [ "$ENGINE" = podman ]; then
     echo "services:"
     echo "  npu-spec:"
     memlock=$(ulimit -Hl)
-    if [ "$memlock" != unlimited ]; then
-      # XRT's pinned buffers need memlock; no NPU here, so the host's own limit will do
-      echo "    ulimits: {memlock: {soft: $(( memlock * 1024 )), hard: $(( memlock * 1024 ))}}"
+    if [ "$memlock" != unlimited ] && ! (ulimit -Hl unlimited) 2>/dev/null; then
+      # XRT's pinned buffers need memlock; no NPU here, so the host's own limit will do.
+      # A service's own ulimits replace podman's defaults: repeat nofile and nproc.
+      bytes=$(( memlock * 1024 ))
+      ulimits="memlock: {soft: $bytes, hard: $bytes}"
+      [ -n "$limits" ] && ulimits+=", nofile: {soft: $NOFILE, hard: $NOFILE}, nproc: {soft: 32768, hard: 32768}"
+      echo "    ulimits: {$ulimits}"
       say "memlock hard limit is ${memlock} KiB and cannot be raised here: npu-spec gets that"
     fi
     if ! podman create --help | grep -q -- --health-startup-interval; then
@@ -265,19 +289,24 @@ if [ "$ENGINE" = podman ]; then
   FILES+=(-f "$WORK/host.yaml")
 fi
 
-health() { "$ENGINE" inspect -f '{{.State.Health.Status}}' "$1" 2>/dev/null || echo gone; }
+# podman runs health checks from systemd timers; without systemd the smoke runs the
+# container's own check itself, and only a check run now counts (a restart keeps the old
+# status until the next one)
+if [ "$ENGINE" = podman ] && [ ! -d /run/systemd/system ]; then
+  say "no systemd: the smoke runs each container's own health check (podman healthcheck run)"
+  healthy() { podman healthcheck run "$1" >/dev/null 2>&1; }
+else
+  healthy() { [ "$("$ENGINE" inspect -f '{{.State.Health.Status}}' "$1")" = healthy ]; }
+fi
 wait_healthy() {  # service...
-  local deadline=$(( $(date +%s) + HEALTH_TIMEOUT_S )) s c status
+  local deadline=$(( $(date +%s) + HEALTH_TIMEOUT_S )) s c
   for s in "$@"; do
     c=$(container_of "$s")
     [ -n "$c" ] || die "no container for service $s"
-    while status=$(health "$c"); [ "$status" != healthy ]; do
-      [ "$(date +%s)" -lt "$deadline" ] || die "$s is $status after ${HEALTH_TIMEOUT_S} s"
+    until healthy "$c"; do
+      [ "$(date +%s)" -lt "$deadline" ] || die "$s not healthy after ${HEALTH_TIMEOUT_S} s"
       [ "$("$ENGINE" inspect -f '{{.State.Running}}' "$c")" = true ] || die "$s is not running"
-      # podman runs health checks from systemd timers; without systemd, run them here
-      [ "$ENGINE" = podman ] && [ ! -d /run/systemd/system ] \
-        && podman healthcheck run "$c" >/dev/null 2>&1
-      sleep 5
+      sleep 3
     done
     say "$s: healthy ($(elapsed))"
   done

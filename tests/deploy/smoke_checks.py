@@ -51,14 +51,29 @@ def _status(url: str, key: str | None, body: dict[str, Any] | None = None) -> in
         return error.code
 
 
-async def _chat(session: aiohttp.ClientSession, base: str) -> tuple[str, str | None]:
+async def _chat(session: aiohttp.ClientSession, base: str) -> tuple[str, int, str | None]:
+    """(content, completion tokens, X-Npu-Spec) of one greedy chat."""
     body = {"messages": CHAT, "temperature": 0.0, "max_tokens": MAX_TOKENS, "stream": False}
     async with session.post(f"{base}/v1/chat/completions", json=body) as response:
         text = await response.text()
         if response.status != 200:
             raise CheckFailed(f"chat at {base}: HTTP {response.status}: {text[:200]}")
-        content = json.loads(text)["choices"][0]["message"]["content"]
-        return content, response.headers.get(SPEC_HEADER)
+        answer = json.loads(text)
+        content = answer["choices"][0]["message"]["content"]
+        return content, answer["usage"]["completion_tokens"], response.headers.get(SPEC_HEADER)
+
+
+async def _counters(session: aiohttp.ClientSession, proxy: str) -> dict[str, float]:
+    """The proxy's token counters (/metrics): what it drafted, accepted and ran plainly."""
+    names = ("draft_tokens_total", "accepted_tokens_total", "plain_run_tokens_total")
+    async with session.get(f"{proxy}/metrics") as response:
+        text = await response.text()
+    values = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.removeprefix("npu_spec_") in values:
+            values[name.removeprefix("npu_spec_")] = float(value)
+    return values
 
 
 async def _tokens(session: aiohttp.ClientSession, server: str, text: str, special: bool) -> list:
@@ -76,20 +91,24 @@ async def _prompt_tokens(session: aiohttp.ClientSession, server: str) -> list[in
 
 async def greedy(proxy: str, reference: str, key: str | None) -> None:
     async with aiohttp.ClientSession(headers=_bearer(key)) as session:
-        want, plain_header = await _chat(session, reference)
-        got, spec = await _chat(session, proxy)
+        want, want_n, plain_header = await _chat(session, reference)
+        before = await _counters(session, proxy)
+        got, got_n, spec = await _chat(session, proxy)
+        after = await _counters(session, proxy)
         if plain_header is not None:
             raise CheckFailed(f"the reference answered with {SPEC_HEADER}: not llama-server alone")
         if spec != "speculative":
             raise CheckFailed(f"proxy answered with {SPEC_HEADER}: {spec}, not speculative")
-        print(f"{SPEC_HEADER}: {spec}")
+        drafted, accepted, plain = (after[name] - before[name] for name in after)
+        print(f"{SPEC_HEADER}: {spec}; this chat: {drafted:.0f} tokens drafted, "
+              f"{accepted:.0f} accepted, {plain:.0f} by plain runs")  # fmt: skip
+        if not want_n:
+            raise CheckFailed("llama-server alone answered nothing: nothing to compare")
+        if (got, got_n) == (want, want_n):
+            print(f"greedy: equal to llama-server alone, {want_n} of {want_n} tokens: {want!r}")
+            return
         want_ids = await _tokens(session, reference, want, special=False)
         got_ids = await _tokens(session, reference, got, special=False)
-        if not want_ids:
-            raise CheckFailed("llama-server alone answered nothing: nothing to compare")
-        if got_ids == want_ids:
-            print(f"greedy: equal, {len(want_ids)} tokens token for token: {want!r}")
-            return
         position = next(
             (i for i, (a, b) in enumerate(zip(want_ids, got_ids, strict=False)) if a != b),
             min(len(want_ids), len(got_ids)),

@@ -109,7 +109,7 @@ def test_runs_as_a_non_root_user() -> None:
 
 def test_runtime_dependencies_only() -> None:
     runs = " ".join(arguments for kw, arguments in INSTRUCTIONS if kw == "RUN")
-    assert "pip install /src;" in runs
+    assert "pip install /wheels/npu_spec-*.whl;" in runs
     assert "[dev]" not in runs and "[export]" not in runs and "torch" not in runs
     assert "--editable" not in runs and "pip install -e" not in runs
     # the dev extra must stay what brings PyTorch in
@@ -215,21 +215,36 @@ def _stage(name: str) -> list[tuple[str, str]]:
 
 
 def _pip_run() -> tuple[list[str], str]:
-    (run,) = [a for kw, a in FINAL if kw == "RUN" and "pip install /src;" in a]
+    (run,) = [a for kw, a in FINAL if kw == "RUN" and "pip install /wheels/" in a]
     return _run_parts(run)
 
 
 def test_the_host_ca_bundle_is_a_build_secret_never_a_layer() -> None:
-    mounts, script = _pip_run()
+    (wheel_run,) = [_run_parts(a) for kw, a in _stage("wheel") if kw == "RUN"]
     secret = "type=secret,id=ca-certificates,target=/run/secrets/ca-certificates"
-    assert secret in mounts
-    # pip trusts the bundle only when the builder was given it
-    assert "if [ -s /run/secrets/ca-certificates ]; then export PIP_CERT=" in script
+    for mounts, script in (_pip_run(), wheel_run):  # every RUN that downloads from PyPI
+        assert secret in mounts
+        # pip trusts the bundle only when the builder was given it
+        assert "if [ -s /run/secrets/ca-certificates ]; then export PIP_CERT=" in script
     for keyword, arguments in INSTRUCTIONS:
-        assert keyword not in ("COPY", "ADD"), f"{keyword} {arguments}: a file in a layer"
-        assert "update-ca-certificates" not in arguments and "PIP_CERT" not in (
-            arguments if keyword == "ENV" else ""
-        )
+        assert "update-ca-certificates" not in arguments, arguments
+        assert not (keyword == "ENV" and "PIP_CERT" in arguments), arguments
+
+
+def test_the_image_gets_the_wheel_not_the_sources() -> None:
+    """Sources are copied into the wheel stage only (a bind mount of the context that pip
+    writes to would write into the checkout with podman); the image has no COPY or ADD."""
+    assert not [kw for kw, _ in FINAL if kw in ("COPY", "ADD")]
+    copied = [a.split()[:-1] for kw, a in _stage("wheel") if kw == "COPY"]
+    sources = {source.rstrip("/") for group in copied for source in group}
+    packages = {
+        p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
+    assert sources == {"pyproject.toml", PYPROJECT["project"]["readme"]} | packages
+    ((_, script),) = [_run_parts(a) for kw, a in _stage("wheel") if kw == "RUN"]
+    assert "pip wheel --no-cache-dir --no-deps --wheel-dir /wheels /src" in script
+    assert "type=bind,from=wheel,source=/wheels,target=/wheels" in _pip_run()[0]
+    assert not any(",rw" in mount for mount in _pip_run()[0])
 
 
 @pytest.fixture
