@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import shlex
+import tempfile
 from pathlib import Path
 
 from proxy.bench.modes import MODE_KINDS
@@ -174,6 +175,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "runs every variant (default: all), e.g. 'defaults' where the real drafter is slow",
     )
     parser.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="turns per conversation (a chat workload): each turn's prompt is the last "
+        "turn's, its plain answer (-n tokens) and a follow-up question, e.g. --turns 3 -n 400",
+    )
+    parser.add_argument(
+        "--regime",
+        metavar="NAME|FILE.toml",
+        help="run against the regime server instead of llama-server: llama-server's API and "
+        "slot semantics with a scripted target, charging what the regime file's machine "
+        "charges (proxy/bench/regime/regimes: h200-cuda-14b-f16, strix-halo-vulkan-32b, ...)",
+    )
+    parser.add_argument(
         "-o", "--out", type=Path, help="result JSON (default: benchmarks/results/bench-<time>.json)"
     )
     parser.add_argument(
@@ -205,6 +220,15 @@ def options_from_args(args: argparse.Namespace):
     from proxy.bench.runner import BenchOptions
 
     target, draft_gguf, drafter = args.target, args.draft_gguf, args.drafter
+    llama_server = args.llama_server
+    if args.regime:
+        from proxy.bench.regime.__main__ import write_launcher
+
+        folder = Path(tempfile.mkdtemp(prefix="npu-spec-regime-"))
+        llama_server = write_launcher(args.regime, folder / "regime-server")
+        if target is None:  # the regime server reads no model: a named placeholder
+            target = folder / f"regime-{Path(args.regime).stem}.gguf"
+            target.write_text("placeholder: the regime server's scripted target\n")
     if args.models is not None:
         target = target or args.models / "target.gguf"
         draft_gguf = draft_gguf or args.models / "draft.gguf"
@@ -236,7 +260,7 @@ def options_from_args(args: argparse.Namespace):
             drafter.parent if drafter else None,
         ),
         oracle_seed=args.oracle_seed,
-        llama_server=args.llama_server,
+        llama_server=llama_server,
         work_dir=args.work_dir,
         startup_timeout=args.startup_timeout,
         time_budget_s=args.time_budget_s,
@@ -244,6 +268,8 @@ def options_from_args(args: argparse.Namespace):
         warmup=args.warmup,
         proxy_variants=args.proxy_variants or [("", [])],
         proxy_mode_variants=args.proxy_mode_variants,
+        turns=args.turns,
+        regime=args.regime,
     )
 
 

@@ -139,6 +139,10 @@ class BenchOptions:
     # the variants the proxy mode (the real drafter) runs; None: all of them (the oracle
     # always runs all)
     proxy_mode_variants: list[str] | None = None
+    # turns per conversation: each turn's prompt is the last turn's prompt, the plain
+    # answer and a follow-up question (a chat user's slots), answered in order
+    turns: int = 1
+    regime: str | None = None  # the regime server's regime (llama_server is its launcher)
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,20 @@ def slot_context(prompts: list[BenchPrompt], n_predict: int) -> int:
     return -(-(longest + n_predict + 64) // 256) * 256
 
 
+FOLLOW_UPS = (
+    "Go on, in more detail, with an example.",
+    "Now list the main points of your answer, one line each.",
+    "What would you change if you did it again, and why?",
+)
+
+
+def follow_up(index: int) -> str:
+    """The user's next message after an answer, in the Qwen chat format (the answer is
+    closed first: a turn cut at n_predict has no end token of its own)."""
+    text = FOLLOW_UPS[index % len(FOLLOW_UPS)]
+    return f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def first_mismatch(tokens: list[int], reference: list[int]) -> int | None:
     for i, (a, b) in enumerate(zip(tokens, reference, strict=False)):
         if a != b:
@@ -299,15 +317,27 @@ class BenchSession:
             every = await build_prompts(text, prompt_set, context)
             prompts = select(every, o.prompt_ids)
             outputs: dict[str, PlainOutput] = {}
+            turns: list[BenchPrompt] = []
             for prompt in prompts:
-                exact = await exact_tokens(session, server.base_url, prompt.tokens, o.n_predict)
-                done = await stream_completion(session, server.base_url, prompt.tokens, o.n_predict)
-                outputs[prompt.id] = PlainOutput(exact, done.tokens, done.text)
-                self.references.append(
-                    {"context": context, "prompt": prompt.id, "kind": prompt.kind,
-                     "n_prompt": len(prompt.tokens), "n_generated": len(exact),
-                     "n_stream_tokens": len(done.tokens)}
-                )  # fmt: skip
+                turn = prompt
+                for index in range(o.turns):
+                    exact = await exact_tokens(session, server.base_url, turn.tokens, o.n_predict)
+                    done = await stream_completion(
+                        session, server.base_url, turn.tokens, o.n_predict
+                    )
+                    outputs[turn.id] = PlainOutput(exact, done.tokens, done.text)
+                    turns.append(turn)
+                    self.references.append(
+                        {"context": context, "prompt": turn.id, "kind": turn.kind,
+                         "n_prompt": len(turn.tokens), "n_generated": len(exact),
+                         "n_stream_tokens": len(done.tokens)}
+                    )  # fmt: skip
+                    if index + 1 < o.turns:
+                        follow = await text.tokenize(follow_up(index), add_special=False)
+                        turn = BenchPrompt(
+                            f"{prompt.id}/t{index + 2}", turn.kind, (*turn.tokens, *exact, *follow)
+                        )
+            prompts = turns
             # as long as the measured prompts at most: the slots are sized for those
             longest = max(len(p.tokens) for p in prompts)
             outside = [p for p in every if p not in prompts and len(p.tokens) <= longest]

@@ -18,7 +18,11 @@ ids (the cost of a pass does not depend on which tokens it sees):
   (j = k // 2 accepted). The idle slots are empty;
 - e: the same round with the KV cache shaped differently: a server with only
   -np k+1 slots, and the big server with every idle slot holding a stale context
-  of the same length (unified KV: every query may attend over all cells).
+  of the same length (unified KV: every query may attend over all cells);
+- f: a cold start's parts: one slot prefilling the whole context (fresh token ids,
+  the server's prompt_ms), saving it and restoring it into another slot (each
+  action's wall ms and the server's own save_ms / restore_ms). The regime server's
+  files take their prefill and copy costs from this row.
 
 Every timed request is bracketed by /metrics reads, so each row says how many
 llama_decode calls a round took (must be 1) and how many prompt tokens the server
@@ -69,7 +73,7 @@ from proxy.server.upstream import (
 log = logging.getLogger(__name__)
 
 SCHEMA = "npu-spec-verify-cost/1"
-PARTS = ("a", "b", "c", "d", "e")
+PARTS = ("a", "b", "c", "d", "e", "f")
 DECODES = "llamacpp:n_decode_total"
 PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
@@ -266,6 +270,34 @@ class Bench:
             )
         return samples
 
+    async def copies(self, context: int, slots: int) -> list[dict[str, Any]]:
+        """f: cold prefill of `context` fresh tokens in slot 0 (every slot empty), save,
+        restore into slot 1."""
+        samples = []
+        for i in range(self.options.warmup + self.options.repeats):
+            await self.erase_all(slots)
+            body = {
+                "prompt": self.tokens(context), "id_slot": 0, **GREEDY_VERIFY_PARAMS,
+                "response_fields": VERIFY_FIELDS,
+            }  # fmt: skip
+            sample = await self._timed(body)
+            start = time.perf_counter()
+            saved = await self.client.slot_action(0, "save", "copy.bin")
+            save_wall = (time.perf_counter() - start) * 1e3
+            start = time.perf_counter()
+            restored = await self.client.slot_action(1, "restore", "copy.bin")
+            restore_wall = (time.perf_counter() - start) * 1e3
+            sample.update(
+                save_wall_ms=save_wall,
+                restore_wall_ms=restore_wall,
+                save_ms=float((saved.get("timings") or {}).get("save_ms", 0.0)),
+                restore_ms=float((restored.get("timings") or {}).get("restore_ms", 0.0)),
+                n_saved=int(saved.get("n_saved", 0)),
+            )
+            if i >= self.options.warmup:
+                samples.append(sample)
+        return samples
+
     async def one_slot(self, ctx: list[int], m: int) -> list[dict[str, Any]]:
         """b/c: the slot holding `ctx` gets m new tokens per request, n_predict 1."""
         prompt = list(ctx)
@@ -418,6 +450,9 @@ class Session:
                 samples = await bench.rounds(ctx, k)
                 self._row(variant, context, "d", f"d: k={k}, k+1 prompts", slots, samples,
                           k=k, idle_slots="empty")  # fmt: skip
+            if "f" in o.parts:
+                samples = await bench.copies(context, slots)
+                self._row(variant, context, "f", "f: cold prefill, save, restore", slots, samples)
             for k in self._np_ks():
                 await bench.erase_all(slots)
                 await bench.fill(list(range(k + 1, slots)), stale, "stale.bin")
@@ -609,7 +644,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[4],
         help="e: for these k, -np k+1 vs --np-large with idle slots full ('none' skips)",
     )
-    parser.add_argument("--parts", type=_parts, default=list(PARTS), help="comma list of a,b,c,d,e")
+    parser.add_argument(
+        "--parts", type=_parts, default=list(PARTS), help="comma list of a,b,c,d,e,f"
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per row")
     parser.add_argument("--plain-tokens", type=int, default=64, help="a: tokens generated")

