@@ -165,7 +165,7 @@ rootfs_image() {  # Debian bookworm with Python 3.11 and venv, as one image
     bookworm "$WORK/rootfs" "$DEBIAN_MIRROR" >"$WORK/debootstrap.log" 2>&1 \
     || { tail -5 "$WORK/debootstrap.log" >&2; die "debootstrap failed"; }
   rm -rf "$WORK/rootfs/var/cache/apt/archives/"*.deb "$WORK/rootfs/var/lib/apt/lists/"*
-  tar -C "$WORK/rootfs" -c . | "$ENGINE" import \
+  tar -C "$WORK/rootfs" -c . | "$ENGINE" import -q \
     -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     -c 'CMD ["/bin/bash"]' - "$ROOTFS_IMAGE" >/dev/null
   rm -rf "$WORK/rootfs"
@@ -263,28 +263,32 @@ print(*sorted({free_port() for _ in range(8)})[:3])")
 } >"$WORK/smoke.env"
 ENV_FILE=$WORK/smoke.env
 
-# Host limits compose.yaml asks for but a root without CAP_SYS_RESOURCE cannot give.
+# Host limits compose.yaml asks for but a root without CAP_SYS_RESOURCE cannot give, and
+# what podman 4.3 lacks: a third compose file, written here, with only what this host needs.
 if [ "$ENGINE" = podman ]; then
+  proxy_lines="" server_lines=""
+  memlock=$(ulimit -Hl)
+  if [ "$memlock" != unlimited ] && ! (ulimit -Hl unlimited) 2>/dev/null; then
+    # XRT's pinned buffers need memlock; no NPU here, so the host's own limit will do.
+    # A service's own ulimits replace podman's defaults: repeat nofile and nproc.
+    bytes=$(( memlock * 1024 ))
+    ulimits="memlock: {soft: $bytes, hard: $bytes}"
+    [ -n "$limits" ] && ulimits+=", nofile: {soft: $NOFILE, hard: $NOFILE}, nproc: {soft: 32768, hard: 32768}"
+    proxy_lines+="    ulimits: {$ulimits}"$'\n'
+    say "memlock hard limit is ${memlock} KiB and cannot be raised here: npu-spec gets that"
+  fi
+  if ! podman create --help | grep -q -- --health-startup-interval; then
+    # podman < 4.6 has no start interval; the health checks keep their own interval
+    proxy_lines+="    healthcheck: {start_interval: !reset null}"$'\n'
+    server_lines+="    healthcheck: {start_interval: !reset null}"$'\n'
+  fi
   {
     echo "services:"
-    echo "  npu-spec:"
-    memlock=$(ulimit -Hl)
-    if [ "$memlock" != unlimited ] && ! (ulimit -Hl unlimited) 2>/dev/null; then
-      # XRT's pinned buffers need memlock; no NPU here, so the host's own limit will do.
-      # A service's own ulimits replace podman's defaults: repeat nofile and nproc.
-      bytes=$(( memlock * 1024 ))
-      ulimits="memlock: {soft: $bytes, hard: $bytes}"
-      [ -n "$limits" ] && ulimits+=", nofile: {soft: $NOFILE, hard: $NOFILE}, nproc: {soft: 32768, hard: 32768}"
-      echo "    ulimits: {$ulimits}"
-      say "memlock hard limit is ${memlock} KiB and cannot be raised here: npu-spec gets that"
+    [ -n "$proxy_lines" ] && printf '  npu-spec:\n%s' "$proxy_lines"
+    if [ -n "$server_lines" ]; then
+      printf '  llama-server:\n%s  llama-server-plain:\n%s' "$server_lines" "$server_lines"
     fi
-    if ! podman create --help | grep -q -- --health-startup-interval; then
-      # podman < 4.6 has no start interval; the health checks keep their own interval
-      for s in npu-spec llama-server llama-server-plain; do
-        [ "$s" = npu-spec ] || echo "  $s:"
-        echo "    healthcheck: {start_interval: !reset null}"
-      done
-    fi
+    [ -n "$proxy_lines$server_lines" ] || echo "  npu-spec: {}"
   } >"$WORK/host.yaml"
   FILES+=(-f "$WORK/host.yaml")
 fi
