@@ -28,6 +28,9 @@ SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default
 # asyncio's timers wake up to ~1 ms late (epoll's millisecond timeout); a batch that
 # follows at once starts when the last charge ended, so lateness does not add up
 CLOCK_SLACK_S = 0.002
+# while slots stay busy the real server never waits between batches: a later wake-up
+# of this process (another process had the CPU) is caught up, up to this much
+BUSY_SLACK_S = 0.020
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -128,6 +131,7 @@ class RegimeEngine:
         self._exclusive = asyncio.Lock()  # the server's one thread: a batch or a slot action
         self._clock_end = 0.0  # when the last charge ends (perf_counter seconds)
         self._launch_ms = 0.0  # the server thread's work on tasks started since the last batch
+        self._still_busy = False  # slots stayed busy after the last batch
         self._runner: asyncio.Task[None] | None = None
 
     # -- life ---------------------------------------------------------------------
@@ -218,13 +222,17 @@ class RegimeEngine:
                 self._clock_end = started + charge / 1e3
                 await _sleep_until(self._clock_end)
                 self._after_decode(batch)
+                self._still_busy = any(slot.busy for slot in self.slots)
 
     def _batch_start(self) -> float:
-        """When this charge starts: right after the last one where the server stayed
-        busy (a late wake-up of the event loop, up to CLOCK_SLACK_S, is not charged
-        twice), else now."""
+        """When this charge starts: right where the last one ended while the server
+        stayed busy (a late wake-up of this process, up to CLOCK_SLACK_S, is not
+        charged again), else now."""
         now = time.perf_counter()
-        return self._clock_end if now - self._clock_end < CLOCK_SLACK_S else now
+        late = now - self._clock_end
+        if late < CLOCK_SLACK_S or (self._still_busy and late < BUSY_SLACK_S):
+            return self._clock_end
+        return now
 
     def _assign(self) -> None:
         """Queued tasks, in order, take an idle slot; a task that finds none is
@@ -431,7 +439,27 @@ def _new_future() -> asyncio.Future[Task]:
     return asyncio.get_running_loop().create_future()
 
 
-async def _sleep_until(deadline: float) -> None:
-    delay = deadline - time.perf_counter()
-    if delay > 0:
+class WakeUp:
+    """Sleeps that end when they should on average: an event loop wakes up late (its
+    timer rounds up to a millisecond, and other processes hold the CPU), so each sleep
+    aims early by the running mean of how late the last ones woke."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight
+        self.early_s = 0.0
+
+    async def until(self, deadline: float) -> None:
+        target = deadline - self.early_s
+        delay = target - time.perf_counter()
+        if delay <= 0:
+            return
         await asyncio.sleep(delay)
+        late = time.perf_counter() - target
+        self.early_s += self.weight * (min(late, 0.005) - self.early_s)
+
+
+WAKE_UP = WakeUp()  # one event loop per process: one measure of its lateness
+
+
+async def _sleep_until(deadline: float) -> None:
+    await WAKE_UP.until(deadline)

@@ -20,11 +20,12 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.bench.regime.engine import RegimeEngine, Task
+from proxy.bench.regime.engine import WAKE_UP, RegimeEngine, Task
 from proxy.bench.regime.regime_file import Regime
 from proxy.bench.regime.target import ScriptedTarget
 
 BUILD = "b11434"
+AFTER_WEIGHT = 0.2  # the running mean of the response's own cost
 # stands for a saved state's size (the real one depends on the model; only reported)
 STATE_BYTES_PER_TOKEN = 64
 _FILENAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
@@ -78,6 +79,9 @@ class RegimeApi:
         self.engine = engine
         self.options = options
         self.saved: dict[str, list[int]] = {}  # slot files, kept in memory
+        # this process's own work on a request after its tasks end (the response): the
+        # host charge is its share of the real machine's, so it makes room for this
+        self._after_ms = 0.0
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30, middlewares=[self._auth])
@@ -336,10 +340,10 @@ class RegimeApi:
                              "or top_k 1, no n_probs)")  # fmt: skip
 
     async def _charge_host(self, started: float, prompts: list[list[int]]) -> None:
-        charge = self.regime.host.request_ms(len(prompts), sum(len(p) for p in prompts)) / 1e3
-        delay = started + charge - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        """The host's work on a request, less what this process already spent on it
+        and what it will spend on the response."""
+        charge = self.regime.host.request_ms(len(prompts), sum(len(p) for p in prompts))
+        await WAKE_UP.until(started + (charge - self._after_ms) / 1e3)
 
     def _tasks(self, body: dict[str, Any], prompts: list[list[int]], on_token: Any) -> list[Task]:
         n_predict = int(body.get("n_predict", body.get("max_tokens", -1)))
@@ -411,11 +415,15 @@ class RegimeApi:
             return await self._stream_completion(request, body, prompts)
         tasks = self._tasks(body, prompts, None)
         await self._serve(request, tasks)
+        done = time.perf_counter()
         errors = [t.error for t in tasks if t.error]
         if errors:
             return _error(500, errors[0], "server_error")
         results = [self._final(t, body) for t in tasks]
-        return web.json_response(results if len(results) > 1 else results[0])
+        response = web.json_response(results if len(results) > 1 else results[0])
+        after = (time.perf_counter() - done) * 1e3
+        self._after_ms += AFTER_WEIGHT * (after - self._after_ms)
+        return response
 
     async def _serve(self, request: web.Request, tasks: list[Task]) -> None:
         """Queue the tasks and wait for them; a client that goes away cancels them."""

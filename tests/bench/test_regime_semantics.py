@@ -1,0 +1,128 @@
+"""The regime server against a real llama-server: the same requests, the same slots.
+
+Both servers get the same command line (the proxy's verification flags) and the same
+sequence of requests: a plain run, a slot copy, two verify rounds, a second turn, a
+batch of more prompts than slots, an erase. Each later prompt is built from that
+server's own output, so only the generated token ids differ (the regime server's target
+is scripted, not the model); which slot serves each prompt, how many prompt tokens it
+ingests and reuses, how many tokens come back and how many decodes each request takes
+must be equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.bench.regime.__main__ import write_launcher
+from proxy.server.llama_server import LlamaServerProcess
+from proxy.server.upstream import parse_prometheus
+
+SLOTS = 4
+FLAGS = [
+    "-np", str(SLOTS), "-c", str(SLOTS * 1024), "-kvu", "--no-cache-idle-slots", "-cram", "0",
+    "--metrics", "-t", "2",
+]  # fmt: skip
+FIELDS = ["index", "tokens", "id_slot", "timings/prompt_n", "timings/cache_n"]
+PROMPT = "The lighthouse keeper counted the ships that passed each night and wrote"
+
+
+class Session:
+    """One server's answers, reduced to what must agree."""
+
+    def __init__(self, http: aiohttp.ClientSession, base_url: str) -> None:
+        self.http = http
+        self.base_url = base_url
+        self.log: list[Any] = []
+
+    async def post(self, path: str, body: dict[str, Any]) -> Any:
+        async with self.http.post(self.base_url + path, json=body) as response:
+            payload = await response.json(content_type=None)
+            assert response.status == 200, payload
+            return payload
+
+    async def decodes(self) -> float:
+        async with self.http.get(self.base_url + "/metrics") as response:
+            return parse_prometheus(await response.text())["llamacpp:n_decode_total"]
+
+    async def completion(self, prompt: Any, n_predict: int) -> list[dict[str, Any]]:
+        before = await self.decodes()
+        body = {
+            "prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
+            "samplers": ["top_k"], "cache_prompt": True, "return_tokens": True,
+            "ignore_eos": True, "response_fields": FIELDS,
+        }  # fmt: skip
+        payload = await self.post("/completion", body)
+        results = payload if isinstance(payload, list) else [payload]
+        decodes = await self.decodes() - before
+        self.log.append(
+            (
+                [
+                    (r.get("index", 0), r["id_slot"], r["timings/prompt_n"],
+                     r["timings/cache_n"], len(r["tokens"]))
+                    for r in results
+                ],
+                decodes,
+            )
+        )  # fmt: skip
+        return sorted(results, key=lambda r: r.get("index", 0))
+
+    async def slot(self, id_slot: int, action: str, filename: str = "") -> None:
+        payload = await self.post(f"/slots/{id_slot}?action={action}", {"filename": filename})
+        self.log.append((action, id_slot, payload.get("n_saved", payload.get("n_restored"))))
+
+    async def busy(self) -> list[tuple[int, bool]]:
+        async with self.http.get(self.base_url + "/slots") as response:
+            return [(s["id"], s["is_processing"]) for s in await response.json()]
+
+
+async def conversation(server: Session) -> list[Any]:
+    prompt = (await server.post("/tokenize", {"content": PROMPT}))["tokens"]
+    server.log.append(("tokens", prompt))
+    first = (await server.completion(prompt, 8))[0]
+    context = prompt + first["tokens"][:-1]  # what the slot holds (the last is not cached)
+    await server.slot(first["id_slot"], "save", "ctx.bin")
+    others = [i for i in range(SLOTS) if i != first["id_slot"]][:2]
+    for target in others:
+        await server.slot(target, "restore", "ctx.bin")
+    drafts = [1000, 2000, 3000]
+    rounds = await server.completion([context + drafts[:i] for i in range(4)], 1)
+    context = context + drafts[:1] + rounds[1]["tokens"]  # one accepted, then a correction
+    drafts = [4000, 5000]
+    rounds = await server.completion([context + drafts[:i] for i in range(3)], 1)
+    context = context + rounds[0]["tokens"]
+    follow = (await server.post("/tokenize", {"content": " Then what happened?"}))["tokens"]
+    await server.completion(context + follow, 6)
+    await server.completion([[*context, 6000 + i] for i in range(SLOTS + 2)], 1)  # deferred
+    await server.slot(first["id_slot"], "erase")
+    await server.completion(prompt, 2)  # a slot that had it is gone: which one is chosen
+    server.log.append(("slots", await server.busy()))
+    return server.log
+
+
+@pytest.mark.timeout(600)
+async def test_the_regime_server_serves_as_llama_server_does(
+    llama_server_bin: Path, demo_models: Path, tmp_path: Path
+) -> None:
+    launcher = write_launcher("h200-cuda-14b-f16", tmp_path / "regime-server")
+    logs = []
+    for name, binary in (("llama-server", llama_server_bin), ("regime", launcher)):
+        slots = tmp_path / f"slots-{name}"
+        slots.mkdir()
+        server = LlamaServerProcess(
+            binary, demo_models / "target.gguf", [*FLAGS, "--slot-save-path", str(slots)],
+            log_path=tmp_path / f"{name}.log",
+        )  # fmt: skip
+        await server.start(300)
+        try:
+            async with aiohttp.ClientSession() as http:
+                logs.append(await conversation(Session(http, server.base_url)))
+        finally:
+            await server.stop()
+    real, emulated = logs
+    assert len(real) == len(emulated)
+    for step, (want, got) in enumerate(zip(real, emulated, strict=True)):
+        assert got == want, f"step {step}: llama-server {want}, regime server {got}"

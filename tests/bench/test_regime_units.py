@@ -1,0 +1,116 @@
+"""The regime server's parts on their own: regime files, charges, KV placement, the
+command line and llama-server's response_fields."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from proxy.bench.regime.__main__ import parser, split_known
+from proxy.bench.regime.http_api import _pick
+from proxy.bench.regime.kv_pool import N_PAD, KvPool
+from proxy.bench.regime.regime_file import (
+    REGIMES_DIR,
+    DecodeCost,
+    HostCost,
+    load_regime,
+    parse_regime,
+)
+
+
+def test_decode_cost_interpolates_between_points_and_extends_the_ends() -> None:
+    cost = DecodeCost(tokens=(1, 9, 17), fixed_ms=(10.0, 30.0, 34.0), per_kcell_ms=(1, 1, 3))
+    assert cost.ms(1, 0) == 10.0
+    assert cost.ms(5, 0) == pytest.approx(20.0)
+    assert cost.ms(13, 2000) == pytest.approx(32.0 + 2 * 2.0)
+    assert cost.ms(25, 0) == pytest.approx(38.0)  # the last segment's slope goes on
+
+
+def test_decode_cost_refuses_a_table_that_does_not_rise() -> None:
+    with pytest.raises(ValueError, match="rise"):
+        DecodeCost(tokens=(4, 2), fixed_ms=(1.0, 2.0), per_kcell_ms=(0.0, 0.0))
+    with pytest.raises(ValueError, match="one value each"):
+        DecodeCost(tokens=(1, 2), fixed_ms=(1.0,), per_kcell_ms=(0.0, 0.0))
+
+
+def test_host_cost_per_request_prompt_and_ids() -> None:
+    host = HostCost(per_request_ms=1.0, per_prompt_ms=0.5, per_kid_ms=2.0)
+    assert host.request_ms(n_prompts=4, n_ids=3000) == pytest.approx(1.0 + 2.0 + 6.0)
+
+
+def test_a_regime_without_sources_is_refused() -> None:
+    data = tomllib.loads((REGIMES_DIR / "h200-cuda-14b-f16.toml").read_text())
+    del data["host"]["source"]
+    with pytest.raises(ValueError, match="no source"):
+        parse_regime(data)
+
+
+@pytest.mark.parametrize("path", sorted(REGIMES_DIR.glob("*.toml")), ids=lambda p: p.stem)
+def test_every_shipped_regime_names_its_sources(path) -> None:
+    regime = load_regime(path.stem)
+    assert regime.name == path.stem
+    assert {"decode", "host", "slots"} <= set(regime.sources)
+    assert regime.plain_step_ms and regime.step_ms(512) == pytest.approx(
+        regime.plain_step_ms, rel=0.1
+    )
+    if path.stem.startswith("strix-halo"):  # the seed's rows, and what nobody measured
+        assert regime.assumptions
+        assert regime.reference["plain_tok_s"] > 0
+
+
+def test_the_strix_halo_regimes_charge_the_vulkan_matrix_vector_edge() -> None:
+    """b11434's Vulkan backend: up to 8 tokens on the matrix-vector path, 9 above it
+    (the seed: a 7-token batch ~1.3 plain steps, a 9-token batch ~3.4)."""
+    regime = load_regime("strix-halo-vulkan-32b")
+    step = regime.decode.ms(1, 512)
+    assert regime.decode.ms(7, 512) == pytest.approx(1.3 * step, rel=0.02)
+    assert regime.decode.ms(9, 512) == pytest.approx(3.4 * step, rel=0.02)
+    assert regime.decode.ms(8, 512) < 1.4 * step
+
+
+def test_kv_pool_places_from_the_head_and_restarts_low_when_much_is_free() -> None:
+    pool = KvPool(n_ctx=2048, n_seq=4, unified=True)
+    pool.add(0, 0, 300)
+    pool.add(1, 0, 300)
+    assert pool.n_kv(0) == 768  # 600 cells used, padded to 256
+    pool.remove(0, 0)  # the head moves back to the first freed cell
+    pool.add(2, 0, 100)
+    assert pool.cells_of(2) == 100
+    assert pool.n_kv(2) == 768  # sequence 1 still sits at cells 300-599
+    pool.remove(1, 0)
+    assert pool.n_kv(2) == N_PAD
+
+
+def test_kv_pool_partial_remove_keeps_the_prefix() -> None:
+    pool = KvPool(n_ctx=1024, n_seq=2, unified=True)
+    pool.add(0, 0, 100)
+    pool.remove(0, 60)
+    assert pool.cells_of(0) == 60
+    assert pool.free_cells() == 1024 - 60
+
+
+def test_kv_pool_without_kvu_gives_each_slot_its_share() -> None:
+    pool = KvPool(n_ctx=1024, n_seq=4, unified=False)
+    pool.add(3, 0, 256)
+    assert pool.free_cells(3) == 0
+    assert pool.free_cells(0) == 256
+
+
+def test_llama_server_command_lines_split_into_read_and_ignored_options() -> None:
+    line = "-m t.gguf --port 5 -np 4 -c 8192 --kv-unified-per-slot 2048 -kvu "
+    line += "--no-cache-idle-slots -cram 0 --metrics --slot-save-path /s -ngl 99 -fa on -md d.gguf"
+    argv = line.split(" ")
+    known, ignored = split_known(argv, parser())
+    args = parser().parse_args(known)
+    assert (args.model, args.parallel, args.ctx_size, args.kv_unified) == ("t.gguf", 4, 8192, True)
+    assert args.kv_unified_per_slot == 2048 and args.metrics
+    assert ignored == ["--no-cache-idle-slots", "-cram", "0", "-ngl", "99", "-fa", "on", "-md",
+                       "d.gguf"]  # fmt: skip
+
+
+def test_response_fields_are_flat_paths_in_the_order_asked() -> None:
+    payload = {"index": 2, "tokens": [5], "timings": {"cache_n": 7, "prompt_n": 1}}
+    picked = _pick(payload, ["timings/prompt_n", "tokens", "missing/path"])
+    assert list(picked.items()) == [("timings/prompt_n", 1), ("tokens", [5])]
+    assert _pick(payload, None) is payload
