@@ -8,6 +8,7 @@ import tomllib
 import pytest
 
 from proxy.bench.regime.__main__ import parser, split_known
+from proxy.bench.regime.engine import common_prefix
 from proxy.bench.regime.http_api import _pick
 from proxy.bench.regime.kv_pool import N_PAD, KvPool
 from proxy.bench.regime.regime_file import (
@@ -114,3 +115,12 @@ def test_response_fields_are_flat_paths_in_the_order_asked() -> None:
     picked = _pick(payload, ["timings/prompt_n", "tokens", "missing/path"])
     assert list(picked.items()) == [("timings/prompt_n", 1), ("tokens", [5])]
     assert _pick(payload, None) is payload
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "length"),
+    [([], [1], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 2], 2), ([1, 2, 3], [1, 9, 3], 1),
+     ([5] * 1000 + [1], [5] * 1000 + [2], 1000), ([7, 8], [8, 7], 0)],
+)  # fmt: skip
+def test_common_prefix(a: list[int], b: list[int], length: int) -> None:
+    assert common_prefix(a, b) == length

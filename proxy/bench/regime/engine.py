@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from proxy.bench.regime.target import ScriptedTarget
 
 log = logging.getLogger(__name__)
 
+TRACE = bool(os.environ.get("NPU_SPEC_REGIME_TRACE"))  # log every task's slot and cache
 SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default
 # asyncio's timers wake up to ~1 ms late (epoll's millisecond timeout); a batch that
 # follows at once starts when the last charge ended, so lateness does not add up
@@ -34,11 +36,19 @@ BUSY_SLACK_S = 0.020
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix, by slice comparisons (C speed: the server compares
+    every idle slot's cache with every prompt, thousands of tokens each)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 @dataclass(eq=False)
@@ -284,6 +294,11 @@ class RegimeEngine:
         task.n_cached = n_past
         task.n_prompt_processed = len(slot.todo)
         task.t_start = time.perf_counter()
+        if TRACE:
+            log.info(
+                "task %d: slot %d, prompt %d, cached %d, to ingest %d",
+                task.index, slot.id, len(task.prompt), n_past, len(slot.todo),
+            )  # fmt: skip
         self._launch_ms += self.regime.host.server_per_ktoken_ms * len(task.prompt) / 1e3
 
     def _build_batch(self) -> list[tuple[Slot, list[int]]]:
@@ -403,6 +418,7 @@ class RegimeEngine:
             full_idle = [s for s in self.slots if not s.busy and s.cache]
             if not full_idle:
                 return False
+            log.info("purging idle slot %d to make room for %d tokens", full_idle[0].id, n_tokens)
             self.erase(full_idle[0])
         return True
 
