@@ -11,6 +11,7 @@ must be equal.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +127,35 @@ async def test_the_regime_server_serves_as_llama_server_does(
     assert len(real) == len(emulated)
     for step, (want, got) in enumerate(zip(real, emulated, strict=True)):
         assert got == want, f"step {step}: llama-server {want}, regime server {got}"
+
+
+async def test_streams_and_a_dropped_client_free_the_slot(tmp_path: Path) -> None:
+    """Streamed /completion (no [DONE]) and chat ([DONE]) as llama-server sends them; a
+    client that goes away mid-stream frees its slot."""
+    launcher = write_launcher("strix-halo-vulkan-14b", tmp_path / "regime-server")
+    server = LlamaServerProcess(launcher, tmp_path / "regime.gguf", FLAGS)
+    await server.start(120)
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"prompt": [785, 326, 57909], "n_predict": 3, "temperature": 0, "stream": True}
+            async with http.post(server.base_url + "/completion", json=body) as response:
+                events = [line for line in (await response.text()).split("\n\n") if line]
+            assert len(events) == 4 and all(e.startswith("data: {") for e in events)
+            assert '"stop": true' in events[-1] and '"tokens_predicted": 3' in events[-1]
+            chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                    "temperature": 0, "stream": True}  # fmt: skip
+            async with http.post(server.base_url + "/v1/chat/completions", json=chat) as response:
+                text = await response.text()
+            assert text.rstrip().endswith("data: [DONE]") and "chat.completion.chunk" in text
+            body = {**body, "n_predict": 400}  # about 17 s at the 14B's step: dropped early
+            async with http.post(server.base_url + "/completion", json=body) as response:
+                await response.content.readline()
+            for _ in range(100):
+                async with http.get(server.base_url + "/slots") as response:
+                    if not any(s["is_processing"] for s in await response.json()):
+                        break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the dropped stream's slot is still processing")
+    finally:
+        await server.stop()

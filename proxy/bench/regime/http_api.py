@@ -466,18 +466,7 @@ class RegimeApi:
                     chunks.put_nowait(_sse(self._final(task, body)))
             chunks.put_nowait(None)
 
-        finisher = asyncio.create_task(finish())
-        try:
-            while (chunk := await chunks.get()) is not None:
-                await response.write(chunk)
-        except (asyncio.CancelledError, ConnectionResetError):
-            for task in tasks:
-                self.engine.cancel(task)
-            finisher.cancel()
-            raise
-        await finisher
-        await response.write_eof()
-        return response
+        return await self._pump(response, chunks, tasks, finish())
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """OpenAI chat, greedy: the template, then one completion (no reasoning split)."""
@@ -524,12 +513,24 @@ class RegimeApi:
             chunks.put_nowait(b"data: [DONE]\n\n")
             chunks.put_nowait(None)
 
-        finisher = asyncio.create_task(finish())
+        return await self._pump(response, chunks, tasks, finish())
+
+    async def _pump(
+        self,
+        response: web.StreamResponse,
+        chunks: asyncio.Queue[bytes | None],
+        tasks: list[Task],
+        finish: Any,
+    ) -> web.StreamResponse:
+        """Write the stream's chunks until `finish` ends it; a client that goes away
+        cancels the tasks (the server frees their slots at its next batch)."""
+        finisher = asyncio.create_task(finish)
         try:
             while (chunk := await chunks.get()) is not None:
                 await response.write(chunk)
         except (asyncio.CancelledError, ConnectionResetError):
-            self.engine.cancel(tasks[0])
+            for task in tasks:
+                self.engine.cancel(task)
             finisher.cancel()
             raise
         await finisher

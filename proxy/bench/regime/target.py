@@ -20,16 +20,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from npu_draft.gguf_tokenizer import bytes_to_unicode
+from npu_draft.oracle import _MASK64
+from npu_draft.oracle import _mix64 as mix64  # the oracle's platform-independent hash
 
 WINDOW = 6  # context tokens the next token depends on, with the position
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 class ScriptedTarget:
@@ -81,9 +75,9 @@ class ScriptedTarget:
     # -- the model ----------------------------------------------------------------
 
     def next_token(self, context: Sequence[int]) -> int:
-        h = _mix64(self.seed ^ len(context))
+        h = mix64(self.seed ^ len(context))
         for token in context[-WINDOW:]:
-            h = _mix64(h ^ (int(token) & _MASK64))
+            h = mix64(h ^ (int(token) & _MASK64))
         return int(self.output_ids[h % len(self.output_ids)])
 
     # -- text ---------------------------------------------------------------------
