@@ -76,6 +76,7 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
         "d: k=2, k+1 prompts",
         "e: k=1, -np 4, idle slots full",
         "e: k=1, -np 2",
+        "f: cold prefill, save, restore",
     }
     for row in result["rows"]:
         assert row["variant"] == "base" and row["context"] == 128
@@ -84,6 +85,10 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
     for what in ("b: 1 slot, +1 token", "c: 1 slot, +3 tokens"):
         assert rows[what]["decodes_per_round"] == 1
         assert rows[what]["server_ms_median"] > 0
+    # f: a whole cold prefill in one slot, then a copy of it (the regime files' source)
+    (cold,) = rows["f: cold prefill, save, restore"]["samples"]
+    assert cold["tokens"] == 128 and cold["cached"] == 0 and cold["n_saved"] == 128
+    assert cold["save_wall_ms"] > 0 and cold["restore_wall_ms"] > 0
     # the claim the proxy rests on: k+1 prompts in one request are one llama_decode
     verify_rows = [r for r in result["rows"] if r["part"] in ("d", "e")]
     assert len(verify_rows) == 4
