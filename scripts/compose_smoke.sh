@@ -165,9 +165,10 @@ rootfs_image() {  # Debian bookworm with Python 3.11 and venv, as one image
     bookworm "$WORK/rootfs" "$DEBIAN_MIRROR" >"$WORK/debootstrap.log" 2>&1 \
     || { tail -5 "$WORK/debootstrap.log" >&2; die "debootstrap failed"; }
   rm -rf "$WORK/rootfs/var/cache/apt/archives/"*.deb "$WORK/rootfs/var/lib/apt/lists/"*
-  tar -C "$WORK/rootfs" -c . | "$ENGINE" import -q \
+  tar -C "$WORK/rootfs" -c . | "$ENGINE" import \
     -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    -c 'CMD ["/bin/bash"]' - "$ROOTFS_IMAGE" >/dev/null
+    -c 'CMD ["/bin/bash"]' - "$ROOTFS_IMAGE" >"$WORK/import.log" 2>&1 \
+    || { tail -5 "$WORK/import.log" >&2; die "importing the root filesystem failed"; }
   rm -rf "$WORK/rootfs"
   MADE_IMAGES+=("$ROOTFS_IMAGE")
 }
@@ -214,9 +215,13 @@ if build_proxy vitisai >"$WORK/vitisai.log" 2>&1; then
   die "ORT_BUILD=vitisai built without AMD's packages"
 fi
 have_image npu-spec:vitisai && die "ORT_BUILD=vitisai left an image behind a failed build"
-grep -q "^ORT_BUILD=vitisai: put AMD's XRT \*.deb files in npu-packages/$" "$WORK/vitisai.log" \
+# the message ends its line (BuildKit puts a step prefix before it; the echoed RUN
+# command has more after it)
+MESSAGE="ORT_BUILD=vitisai: put AMD's XRT *.deb files in npu-packages/"
+awk -v m="$MESSAGE" 'length($0) >= length(m) && substr($0, length($0) - length(m) + 1) == m \
+    {found = 1} END {exit !found}' "$WORK/vitisai.log" \
   || { tail -5 "$WORK/vitisai.log" >&2; die "ORT_BUILD=vitisai failed without its one-line message"; }
-say "VitisAI variant stops with: $(grep -m1 '^ORT_BUILD=vitisai' "$WORK/vitisai.log")"
+say "VitisAI variant stops with: $MESSAGE"
 
 say "building npu-spec:cpu from the Dockerfile"
 t0=$(date +%s)
