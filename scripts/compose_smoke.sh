@@ -35,8 +35,8 @@ PROJECT=npusmoke$$
 ENGINE=""
 ENV_FILE=""
 CNI_RULES=""
-MADE_IMAGES=()
-cni_rules() { iptables -t nat -S 2>/dev/null | grep -c -- CNI- || true; }  # docker only: images this run added (podman's whole store is WORK's)
+MADE_IMAGES=()  # docker only: images this run added (podman's whole store is WORK's)
+cni_rules() { iptables -t nat -S 2>/dev/null | grep -c -- CNI- || true; }
 
 if command -v docker >/dev/null && docker info >/dev/null 2>&1 \
     && docker compose version >/dev/null 2>&1; then
@@ -160,6 +160,8 @@ pull() {  # the registry's image where one answers; else the caller makes a stan
 ROOTFS_IMAGE=localhost/npu-spec-smoke/bookworm:latest
 rootfs_image() {  # Debian bookworm with Python 3.11 and venv, as one image
   have_image "$ROOTFS_IMAGE" && return 0
+  command -v debootstrap >/dev/null \
+    || die "no registry answers and there is no debootstrap to make stand-ins: apt-get install debootstrap"
   say "making a Debian bookworm image with debootstrap (no registry answers)"
   debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
     bookworm "$WORK/rootfs" "$DEBIAN_MIRROR" >"$WORK/debootstrap.log" 2>&1 \
