@@ -20,14 +20,10 @@ import time
 from pathlib import Path
 
 from proxy.bench.regime.__main__ import write_launcher
-from proxy.bench.regime.kv_pool import N_PAD
+from proxy.bench.regime.kv_pool import padded_span as _span
 from proxy.bench.regime.regime_file import load_regime
 from proxy.server.llama_server import LlamaServerProcess
 from proxy.server.upstream import GREEDY_VERIFY_PARAMS, UpstreamClient
-
-
-def _span(cells: int) -> int:
-    return max(N_PAD, -(-cells // N_PAD) * N_PAD)
 
 
 async def measure(regime_name: str, repeats: int, context: int) -> list[tuple[str, float, float]]:

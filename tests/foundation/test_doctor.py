@@ -7,6 +7,7 @@ import asyncio
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import gguf
 import onnxruntime
@@ -158,6 +159,16 @@ def test_the_quickstart_shows_what_the_plan_prints(tmp_path: Path) -> None:
     assert "12288.00 MiB for 49152 cells" in lines[2]
 
 
+async def _doctor_on(server: Any) -> tuple[Any, int, str]:
+    """Start `server`, run `doctor --upstream` (k = 4) against it, stop it."""
+    await server.start()
+    try:
+        code, text = await asyncio.to_thread(_run_doctor, upstream=server.base_url, k=4)
+    finally:
+        await server.stop()
+    return server, code, text
+
+
 def _restart_line(text: str) -> list[str] | None:
     lines = text.splitlines()
     for index, line in enumerate(lines):
@@ -176,12 +187,9 @@ async def test_one_doctor_pass_names_every_flag_and_its_command_fixes_them(
     from proxy.server.llama_server import LlamaServerProcess
 
     model = demo_models / "target.gguf"
-    plain = LlamaServerProcess(llama_server_bin, model, ["-c", "1024"])
-    await plain.start()
-    try:
-        code, text = await asyncio.to_thread(_run_doctor, upstream=plain.base_url, k=4)
-    finally:
-        await plain.stop()
+    plain, code, text = await _doctor_on(
+        LlamaServerProcess(llama_server_bin, model, ["-c", "1024"])
+    )
     assert code == 1, text
     for flag in ("-np 6", "--metrics", "--no-cache-idle-slots -cram 0", "--slot-save-path"):
         assert f"fix: {flag}" in text, (flag, text)
@@ -199,11 +207,6 @@ async def test_one_doctor_pass_names_every_flag_and_its_command_fixes_them(
         else:
             args.append(str(slots) if arg == "/tmp/npu-spec-slots" else arg)
     assert args[:2] == ["-np", "6"], args  # its -c replaced by the planned one
-    restarted = LlamaServerProcess(llama_server_bin, model, args)
-    await restarted.start()
-    try:
-        code, text = await asyncio.to_thread(_run_doctor, upstream=restarted.base_url, k=4)
-    finally:
-        await restarted.stop()
+    _, code, text = await _doctor_on(LlamaServerProcess(llama_server_bin, model, args))
     assert code == 0, text
     assert "FAIL" not in text and "WARN" not in text and _restart_line(text) is None, text

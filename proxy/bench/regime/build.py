@@ -30,12 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from proxy.bench.regime.kv_pool import N_PAD
+from proxy.bench.regime.kv_pool import padded_span as _padded
 from proxy.bench.regime.regime_file import DecodeCost, HostCost
-
-
-def _padded(cells: float) -> int:
-    return max(N_PAD, -(-int(cells) // N_PAD) * N_PAD)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -236,7 +232,7 @@ def render(
     decode, per_ktoken, prefill = decode_table(result, variant)
     host = host_fit(result, variant, decode, per_ktoken)
     slots = slot_fit(result, variant)
-    plain = [r for r in _rows(result, "a", variant)]
+    plain = _rows(result, "a", variant)
     step = min(plain, key=lambda r: r["context"])["ms_median"] if plain else None
     where = (
         f"{source.name} (npu-spec verify-cost, {result.get('started_utc', '?')}, variant {variant})"

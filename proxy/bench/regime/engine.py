@@ -332,7 +332,7 @@ class RegimeEngine:
         pieces: list[tuple[Slot, int, int]] = []  # slot, first position, tokens
         for slot, tokens in batch:
             pieces.append((slot, len(slot.cache), len(tokens)))
-            slot.cache = slot.cache + tokens
+            slot.cache.extend(tokens)
         total_ms = 0.0
         if self.unified:
             groups = _chunks(pieces, ubatch)

@@ -24,6 +24,12 @@ import numpy as np
 N_PAD = 256
 
 
+def padded_span(cells: float) -> int:
+    """The span a decode attends over when `cells` are in use (at least N_PAD), before
+    the stream's size caps it."""
+    return max(N_PAD, -(-int(cells) // N_PAD) * N_PAD)
+
+
 class KvFull(RuntimeError):
     """No free cells left for a micro-batch (llama_decode returns 1)."""
 
@@ -97,5 +103,4 @@ class KvPool:
     def n_kv(self, seq: int) -> int:
         """The span a decode of `seq`'s stream attends over (get_n_kv)."""
         stream = self._stream(seq)
-        padded = -(-stream.used_max_p1() // N_PAD) * N_PAD
-        return min(stream.owner.size, max(N_PAD, padded))
+        return min(stream.owner.size, padded_span(stream.used_max_p1()))
