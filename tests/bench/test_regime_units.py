@@ -8,13 +8,15 @@ import tomllib
 import pytest
 
 from proxy.bench.regime.__main__ import parser, split_known
-from proxy.bench.regime.engine import common_prefix
+from proxy.bench.regime.build import span_slopes
 from proxy.bench.regime.http_api import _pick
-from proxy.bench.regime.kv_pool import N_PAD, KvPool
+from proxy.bench.regime.kv_pool import N_PAD, KvPool, padded_span
+from proxy.bench.regime.prompt_cache import PromptCache, common_prefix
 from proxy.bench.regime.regime_file import (
     REGIMES_DIR,
     DecodeCost,
     HostCost,
+    SlotCost,
     load_regime,
     parse_regime,
 )
@@ -105,9 +107,9 @@ def test_llama_server_command_lines_split_into_read_and_ignored_options() -> Non
     known, ignored = split_known(argv, parser())
     args = parser().parse_args(known)
     assert (args.model, args.parallel, args.ctx_size, args.kv_unified) == ("t.gguf", 4, 8192, True)
-    assert args.kv_unified_per_slot == 2048 and args.metrics
-    assert ignored == ["--no-cache-idle-slots", "-cram", "0", "-ngl", "99", "-fa", "on", "-md",
-                       "d.gguf"]  # fmt: skip
+    assert args.kv_unified_per_slot == 2048 and args.metrics and args.cache_ram == 0
+    assert ignored == ["--no-cache-idle-slots", "-ngl", "99", "-fa", "on", "-md", "d.gguf"]
+    assert parser().parse_args([]).cache_ram == 8192  # b11434's default: the prompt cache is on
 
 
 def test_response_fields_are_flat_paths_in_the_order_asked() -> None:
@@ -124,3 +126,28 @@ def test_response_fields_are_flat_paths_in_the_order_asked() -> None:
 )  # fmt: skip
 def test_common_prefix(a: list[int], b: list[int], length: int) -> None:
     assert common_prefix(a, b) == length
+
+
+def test_rows_e_against_d_give_the_span_cost_of_a_rounds_batch() -> None:
+    """The same round with every idle slot full (e) against them empty (d): only the
+    span differs, so the extra server ms over the extra cells is attention's slope."""
+    d = {"part": "d", "variant": "v", "context": 4096, "k": 3, "np": 7, "tokens_per_round": 11,
+         "server_ms_median": 20.0}  # fmt: skip
+    e = {**d, "part": "e", "idle_slots": "full", "server_ms_median": 23.0}
+    result = {"rows": [d, e]}
+    cells = padded_span(7 * (4096 + 11)) - padded_span(4 * (4096 + 11))
+    assert span_slopes(result, "v", 4096) == {11: pytest.approx(3.0 / cells)}
+    assert span_slopes(result, "v", 512) == {}
+
+
+def test_the_prompt_cache_saves_a_pushed_out_prompt_and_gives_it_back() -> None:
+    cache = PromptCache(SlotCost(save_ms_per_ktoken=100.0, restore_ms_per_ktoken=10.0))
+    first, other = list(range(1000)), list(range(5000, 5500))
+    assert cache.save(first) == pytest.approx(100.0)
+    assert cache.save(first[:500]) == 0.0  # already held inside a longer prompt
+    assert cache.load(other, [*other, 1]) == (None, 0.0)  # the slot's own cache suits better
+    assert cache.save(other) == pytest.approx(50.0)
+    loaded, charge = cache.load(other, [*first, 7])
+    assert loaded == first and charge == pytest.approx(10.0)
+    assert cache.load(other, [*first, 7]) == (None, 0.0)  # a load takes the entry out
+    assert cache.load([], list(range(5000, 5100)) + [9] * 400) == (None, 0.0)  # keeps < 1/4

@@ -75,6 +75,7 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
         "d: k=1, k+1 prompts",
         "d: k=2, k+1 prompts",
         "e: k=1, -np 4, idle slots full",
+        "e: k=2, -np 4, idle slots full",
         "e: k=1, -np 2",
         "f: cold prefill, save, restore",
     }
@@ -91,7 +92,7 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
     assert cold["save_wall_ms"] > 0 and cold["restore_wall_ms"] > 0
     # the claim the proxy rests on: k+1 prompts in one request are one llama_decode
     verify_rows = [r for r in result["rows"] if r["part"] in ("d", "e")]
-    assert len(verify_rows) == 4
+    assert len(verify_rows) == 5
     for row in verify_rows:
         for sample in row["samples"]:
             assert sample["decodes"] == 1, (row["what"], sample)

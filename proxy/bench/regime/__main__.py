@@ -55,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-unified-per-slot", type=int, help="each slot's context limit under -kvu")
     p.add_argument("--metrics", action="store_true")
     p.add_argument("--slot-save-path", type=Path)
+    p.add_argument("-cram", "--cache-ram", type=int, default=8192, help="MiB; 0: no prompt cache")
     p.add_argument("--api-key")
     p.add_argument("--api-key-file", type=Path)
     p.add_argument("--target-seed", type=int, default=0, help="the scripted target's seed")
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = RegimeEngine(
         regime, target, args.parallel, n_ctx, args.kv_unified,
         n_batch=min(args.batch_size, args.ctx_size), n_ctx_slot=args.kv_unified_per_slot,
+        prompt_cache=args.cache_ram != 0,
     )  # fmt: skip
     log.info(
         "regime %s (%s): -np %d -c %d%s; ignored options: %s", regime.name, regime.path,

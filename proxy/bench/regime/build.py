@@ -4,11 +4,13 @@
       --description "..." -o proxy/bench/regime/regimes/h200-cuda-14b-f16.toml
 
 The run needs parts a, b, c, d, f at two contexts (e.g. 512 and 4k) with c's
-`--new-tokens` up to 64 or so. From it:
+`--new-tokens` up to 64 or so; part e (idle slots full) gives the attention cost of
+multi-token batches. From it:
 
 - decode(m, n_kv) for each measured m: the server's own ms of the one-slot rows (b, c)
   at the two contexts give a line in n_kv (the slot's cells, padded to 256, at the
-  middle of the row's requests); m = 512 comes from the f rows' cold prefills (one
+  middle of the row's requests), with the span's slope for m tokens from rows a (m = 1)
+  and rows e against d (a round's token count); m = 512 comes from the f rows' cold prefills (one
   micro-batch of 512 at 512, eight of them over a growing span at 4k);
 - host: wall minus server ms of rows b, c and d, least squares over per request, per
   prompt and per thousand token ids; and per extra prompt of a round, what rows d's
@@ -51,7 +53,7 @@ def _one_slot_span(row: dict[str, Any], options: dict[str, Any]) -> int:
 
 def _round_ids(row: dict[str, Any]) -> tuple[int, int]:
     """(prompts, token ids) of one request of a row."""
-    if row["part"] == "d":
+    if row["part"] in "de":
         k = int(row["k"])
         return k + 1, (k + 1) * row["context"]
     return 1, row["context"] + int(row.get("m", 1)) * 7
@@ -66,6 +68,44 @@ def _attention_slope(result: dict[str, Any], variant: str, low: int, high: int) 
     return (a[high]["ms_median"] - a[low]["ms_median"]) / (n2 - n1)
 
 
+def _e_span(row: dict[str, Any]) -> int:
+    """Cells a k+1-prompt round attends over when every idle slot holds a stale context
+    of the same length (row e, "idle slots full")."""
+    return _padded(int(row["np"]) * (row["context"] + int(row["k"]) + 8))
+
+
+def span_slopes(result: dict[str, Any], variant: str, context: int) -> dict[int, float]:
+    """ms per cell of span for a batch of the round's tokens, by token count: what the
+    same k+1-prompt round costs the server with every idle slot full (row e) beyond the
+    round with them empty (row d), over the cells that adds. Same tasks, same prompts:
+    only the span differs."""
+    d = {r["k"]: r for r in _rows(result, "d", variant) if r["context"] == context}
+    e = {
+        r["k"]: r
+        for r in _rows(result, "e", variant)
+        if r["context"] == context and r.get("idle_slots") == "full"
+    }
+    slopes: dict[int, float] = {}
+    for k in sorted(set(d) & set(e)):
+        cells = _e_span(e[k]) - _d_span(d[k])
+        if cells > 0:
+            extra = e[k]["server_ms_median"] - d[k]["server_ms_median"]
+            slopes[int(d[k]["tokens_per_round"])] = max(0.0, extra / cells)
+    return slopes
+
+
+def _slope_by_tokens(plain_slope: float, slopes: dict[int, float]) -> Any:
+    """ms per cell for a batch of m tokens: plain decoding's slope at m = 1, rows e's at
+    their rounds' token counts, linear between and flat beyond the last."""
+    xs = (1, *sorted(m for m in slopes if m > 1))
+    ys = (plain_slope, *(slopes[m] for m in xs[1:]))
+
+    def slope(m: int) -> float:
+        return ys[-1] if m >= xs[-1] else float(np.interp(m, xs, ys))
+
+    return slope
+
+
 def decode_table(result: dict[str, Any], variant: str) -> tuple[DecodeCost, float, dict[str, Any]]:
     """The decode table and the server's own cost per thousand prompt tokens of a task
     (what one-slot requests cost beyond plain decoding as the context grows)."""
@@ -74,17 +114,19 @@ def decode_table(result: dict[str, Any], variant: str) -> tuple[DecodeCost, floa
     if len(contexts) < 2:
         raise ValueError("verify-cost must have run at two contexts (e.g. --context 512,4k)")
     low, high = contexts[0], contexts[-1]
-    slope = _attention_slope(result, variant, low, high)
+    slope_at = _slope_by_tokens(
+        _attention_slope(result, variant, low, high), span_slopes(result, variant, high)
+    )
     by_m: dict[int, dict[int, tuple[int, float]]] = {}
     for row in _rows(result, "b", variant) + _rows(result, "c", variant):
         m = int(row.get("m", 1))
         point = (_one_slot_span(row, options), row["server_ms_median"])
         by_m.setdefault(m, {})[row["context"]] = point
     per_task: list[float] = []
-    for points in by_m.values():
+    for m, points in by_m.items():
         if low in points and high in points:
             (n1, t1), (n2, t2) = points[low], points[high]
-            per_task.append((t2 - t1 - slope * (n2 - n1)) / ((high - low) / 1e3))
+            per_task.append((t2 - t1 - slope_at(m) * (n2 - n1)) / ((high - low) / 1e3))
     per_ktoken = max(0.0, statistics.median(per_task)) if per_task else 0.0
     tokens, fixed, per_kcell = [], [], []
     for m in sorted(by_m):
@@ -92,8 +134,8 @@ def decode_table(result: dict[str, Any], variant: str) -> tuple[DecodeCost, floa
             continue
         n1, t1 = by_m[m][low]
         tokens.append(m)
-        per_kcell.append(round(slope * 1000, 4))
-        fixed.append(round(t1 - slope * n1 - per_ktoken * low / 1e3, 3))
+        per_kcell.append(round(slope_at(m) * 1000, 4))
+        fixed.append(round(t1 - slope_at(m) * n1 - per_ktoken * low / 1e3, 3))
     f_rows = {r["context"]: r for r in _rows(result, "f", variant)}
     prefill: dict[str, Any] = {}
     if low in f_rows and high in f_rows and low == 512:
@@ -172,14 +214,17 @@ def check_rows(
     options = result["options"]
     lines = [f"{'row':<34} {'ctx':>5} {'measured':>9} {'charged':>9} {'ratio':>6}"]
     for row in result["rows"]:
-        if row["variant"] != variant or row["part"] not in "abcd":
+        if row["variant"] != variant or row["part"] not in "abcde":
+            continue
+        if row["part"] == "e" and row.get("idle_slots") != "full":
             continue
         if row["part"] == "a":
             span = _padded(row["context"] + options["plain_tokens"] / 2)
             charged = decode.ms(1, span)
-        elif row["part"] == "d":
+        elif row["part"] in "de":
             n_prompts, n_ids = _round_ids(row)
-            charged = decode.ms(int(row["tokens_per_round"]), _d_span(row))
+            span = _d_span(row) if row["part"] == "d" else _e_span(row)
+            charged = decode.ms(int(row["tokens_per_round"]), span)
             charged += host.request_ms(n_prompts, n_ids) + host.per_extra_sample_ms * row["k"]
             charged += host.server_per_ktoken_ms * n_ids / 1e3
         else:
@@ -197,8 +242,12 @@ def check_rows(
 ASSUMPTIONS = (
     "Between measured batch sizes the decode cost is linear in tokens (from the largest "
     "one-slot row to the 512-token micro-batch of a cold prefill).",
-    "Attention costs the same per cell of the pool's span for any batch of up to 64 tokens: "
-    "the slope of plain decoding (rows a) between the two contexts; the 512-token "
+    "Attention's cost per cell of the pool's span depends on the batch's token count: "
+    "at 1 token it is the slope of plain decoding (rows a) between the two contexts; at "
+    "a k+1-prompt round's token count it is what the round costs with every idle slot "
+    "full (rows e) beyond the same round with them empty (rows d), at the higher "
+    "context; linear between those counts and flat beyond the largest. Without rows e, "
+    "plain decoding's slope for every batch of up to 64 tokens. The 512-token "
     "micro-batch has its own slope, from the cold prefills.",
     "What one-slot requests (rows b, c) cost the server beyond that as the context grows is "
     "work per prompt token of each task (server_per_ktoken_ms), charged on the server's "

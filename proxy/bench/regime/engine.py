@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.bench.regime.kv_pool import KvPool
+from proxy.bench.regime.prompt_cache import PromptCache, common_prefix
 from proxy.bench.regime.regime_file import Regime
 from proxy.bench.regime.target import ScriptedTarget
 
@@ -33,22 +34,6 @@ CLOCK_SLACK_S = 0.002
 # while slots stay busy the real server never waits between batches: a later wake-up
 # of this process (another process had the CPU) is caught up, up to this much
 BUSY_SLACK_S = 0.020
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix, by slice comparisons (C speed: the server compares
-    every idle slot's cache with every prompt, thousands of tokens each)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[low:middle] == b[low:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 @dataclass(eq=False)
@@ -123,8 +108,12 @@ class RegimeEngine:
         unified: bool,
         n_batch: int = 2048,
         n_ctx_slot: int | None = None,
+        prompt_cache: bool = True,
     ) -> None:
         self.regime = regime
+        # --cache-ram (on unless -cram 0): a slot taken by least-recent use saves its
+        # prompt to host memory first
+        self.prompt_cache = PromptCache(regime.slots) if prompt_cache else None
         self.target = target
         self.n_ctx = n_ctx
         self.unified = unified
@@ -251,35 +240,52 @@ class RegimeEngine:
             task = self.queue.popleft()
             if task.cancelled:
                 continue
-            slot = self._slot_for(task)
+            slot, update_cache = self._slot_for(task)
             if slot is None:
                 self.deferred_tasks.append(task)
-            else:
-                self._launch(slot, task)
+                continue
+            if update_cache and self.prompt_cache is not None:
+                self._swap_prompt(slot, task)
+            self._launch(slot, task)
 
-    def _slot_for(self, task: Task) -> Slot | None:
+    def _swap_prompt(self, slot: Slot, task: Task) -> None:
+        """The prompt cache's update: save the slot's prompt, then load a saved one that
+        suits the task better (charged on the server thread before the next batch)."""
+        assert self.prompt_cache is not None
+        self._launch_ms += self.prompt_cache.save(slot.cache)
+        loaded, charge = self.prompt_cache.load(slot.cache, task.prompt)
+        if loaded is not None:
+            self.set_cache(slot, loaded)
+            self._launch_ms += charge
+
+    def _slot_for(self, task: Task) -> tuple[Slot | None, bool]:
         """get_available_slot: the idle slot whose cache shares the largest part of the
         prompt (above the similarity threshold; ties: the lowest id), else the least
         recently released idle slot (ties: the highest id, so a fresh server fills its
-        last slot first)."""
+        last slot first). The flag is the prompt cache's update_cache: the slot was
+        chosen by least-recent use, or by similarity while keeping under half its cache."""
         idle = [s for s in self.slots if not s.busy]
         if task.id_slot >= 0:
-            chosen = [s for s in idle if s.id == task.id_slot % len(self.slots)]
-            return chosen[0] if chosen else None
-        best, best_sim = None, 0.0
+            idle = [s for s in idle if s.id == task.id_slot % len(self.slots)]
+            if not idle:
+                return None, False
+        best, best_sim, best_lcp = None, 0.0, 0
         for slot in idle:
             if not slot.cache:
                 continue
-            sim = common_prefix(slot.cache, task.prompt) / max(len(task.prompt), 1)
+            lcp = common_prefix(slot.cache, task.prompt)
+            sim = lcp / max(len(task.prompt), 1)
             if sim > best_sim and sim > SLOT_PROMPT_SIMILARITY:
-                best, best_sim = slot, sim
+                best, best_sim, best_lcp = slot, sim, lcp
         if best is not None:
-            return best
+            return best, best_lcp / len(best.cache) < 0.5
+        if task.id_slot >= 0:  # the asked-for slot, with no cache update
+            return idle[0], False
         lru = None
         for slot in idle:
             if lru is None or slot.t_last_used <= lru.t_last_used:
                 lru = slot
-        return lru
+        return lru, lru is not None
 
     def _launch(self, slot: Slot, task: Task) -> None:
         n_past = common_prefix(slot.cache, task.prompt) if task.cache_prompt else 0
