@@ -95,6 +95,7 @@ case "$STAGE" in
     REGIME="${REGIME:-proxy/bench/regime/regimes/h200-cuda-14b-f16.toml}"
     npu bench --regime "$REGIME" --context 512,4k -n 128 "${BENCH_COMMON[@]}" \
       --time-budget-s 230 --work-dir /tmp/bench3 -o "$OUT/h200-host-single-emulated.json" | tail -30
+    [ "${EMULATE_CHAT:-1}" = 1 ] || exit 0
     npu bench --regime "$REGIME" --context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" \
       --time-budget-s 230 --work-dir /tmp/bench4 -o "$OUT/h200-host-chat-emulated.json" | tail -30
     ;;
