@@ -8,6 +8,7 @@
 #   costs-background  the same, left running after the call (for `WAIT_COSTS=1 emulate`)
 #   bench   the real bench cells: plain and the oracle (k3, formula) at X = 0.12, 0.27
 #   regime  the same cells on the regime server built from `costs`, on this host
+#   strix   the Strix Halo regime files' cells (plain, defaults, k = 2, formula), this host
 #   emulate the same cells on the committed regime file, on this host: needs only the
 #           wheels and the pinned source (the tokenizer), no build and no models
 # Results go to $OUT.
@@ -98,6 +99,19 @@ case "$STAGE" in
     [ "${EMULATE_CHAT:-1}" = 1 ] || exit 0
     npu bench --regime "$REGIME" --context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" \
       --time-budget-s 230 --work-dir /tmp/bench4 -o "$OUT/h200-host-chat-emulated.json" | tail -30
+    ;;
+  strix)  # the Strix Halo regimes on this host's CPUs, 32B and 14B side by side
+    install_sources
+    for size in 32b 14b; do
+      npu bench --regime "strix-halo-vulkan-$size" --context 512 -n 128 \
+        --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 4 --repeats 1 \
+        --ceiling-ks 1,2,3,4 --oracle-acceptance 0.8 --oracle-delay-ms 11 \
+        --proxy-variant 'defaults=' --proxy-variant 'k2=--plain-runs off -k 2 --fixed-k' \
+        --proxy-variant 'spec=--plain-runs off' --time-budget-s 330 --work-dir "/tmp/strix-$size" \
+        -o "$OUT/h200-host-strix-$size-single.json" > "/tmp/strix-$size.log" 2>&1 &
+    done
+    wait
+    for size in 32b 14b; do grep -v "INFO proxy" "/tmp/strix-$size.log" | head -12; done
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
