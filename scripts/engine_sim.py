@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass
 
 from npu_draft.oracle import OracleConfig, OracleDraftModel
+from proxy.data.verify import VerifyResult
 from proxy.engine import AsyncSessionDrafter, EngineSettings, Generation, GenerationParams
 from proxy.engine.server_text import PieceCache
 from proxy.policies import DraftLengthPolicy, OverlapPolicy, Policies
-from proxy.server.upstream import VerifyResult
 
 
 @dataclass

@@ -64,7 +64,6 @@ class ScriptedServer:
         return tuple((t, f"<{t}>".encode(), p) for t, p in zip(ids, (0.6, 0.3, 0.1), strict=True))
 
     async def verify(self, context, draft, spec=None, seed=0):
-        from_mod = _data_module()
         self.log.append(["verify", len(context), list(draft), spec is not None, int(seed)])
         await asyncio.sleep(0.005)  # drafting ahead finishes its few tokens meanwhile
         self.decodes += 1
@@ -77,7 +76,7 @@ class ScriptedServer:
                 candidates = self._candidates(sequence)
                 token = candidates[(seed + len(sequence)) % 3][0]
             results.append(
-                from_mod.VerifyResult(
+                _server_data("VerifyResult")(
                     token, f"<{token}>", token == EOG, 0, id_slot=i, prompt_n=1,
                     candidates=candidates,
                 )
@@ -85,7 +84,6 @@ class ScriptedServer:
         return results
 
     async def plain_run(self, context, n, spec=None, seed=0):
-        from_mod = _data_module()
         self.log.append(["plain_run", len(context), n, spec is not None, int(seed)])
         sequence, tokens = list(context), []
         for _ in range(n):
@@ -97,7 +95,7 @@ class ScriptedServer:
                 break
         stop = "eos" if tokens and tokens[-1] == EOG else "limit"
         content = "".join(f"<{t}>" for t in tokens if t != EOG)
-        return from_mod.PlainRun(tokens, content, stop, cached=len(context), id_slot=0)
+        return _server_data("PlainRun")(tokens, content, stop, cached=len(context), id_slot=0)
 
     async def metrics(self):
         return {"llamacpp:n_decode_total": self.decodes, "llamacpp:prompt_tokens_total": 0}
@@ -115,7 +113,9 @@ class ScriptedServer:
 class ScriptedSession:
     """A draft session (npu_draft contract) drafting `draft_next`; logs its calls."""
 
-    def __init__(self, log: list[Any], miss_every: int, fail_at: int | None, garbage_at: int | None):
+    def __init__(
+        self, log: list[Any], miss_every: int, fail_at: int | None, garbage_at: int | None
+    ):
         self.log = log
         self.miss_every = miss_every
         self.fail_at = fail_at  # raise when asked to draft at this sequence length
@@ -134,9 +134,9 @@ class ScriptedSession:
         return SyncStats(reused=0, appended=len(tokens))
 
     def propose(self, k, sampling=None, rng=None, cancel=None):
-        from npu_draft.protocol import Draft, SparseDist
-
         import numpy as np
+
+        from npu_draft.protocol import Draft, SparseDist
 
         sampled = sampling is not None and not sampling.greedy
         self.log.append(["propose", len(self._tokens), k, sampled])
@@ -147,7 +147,9 @@ class ScriptedSession:
             n = len(self._tokens)
             if n == self.fail_at:
                 raise RuntimeError("scripted drafter failure")
-            token = N_VOCAB + 7 if n == self.garbage_at else draft_next(self._tokens, self.miss_every)
+            token = (
+                N_VOCAB + 7 if n == self.garbage_at else draft_next(self._tokens, self.miss_every)
+            )
             self._tokens.append(token)
             draft.tokens.append(token)
             draft.probs.append(0.9 if n % 3 else 0.5)
@@ -164,30 +166,30 @@ class ScriptedSession:
         self.log.append(["close"])
 
 
-def _data_module():
-    """Where VerifyResult and PlainRun live in the tree under test."""
+def _find(name: str, modules: Sequence[str]) -> Any:
+    """`name` from the first module that has it: the new tree's neutral modules, or
+    the old tree's client."""
     import importlib
 
-    for name in ("proxy.data.server", "proxy.server.upstream"):
+    for module_name in modules:
         try:
-            module = importlib.import_module(name)
+            module = importlib.import_module(module_name)
         except ImportError:
             continue
-        if hasattr(module, "VerifyResult"):
-            return module
-    raise ImportError("no VerifyResult")
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise ImportError(name)
 
 
-def _sampling_spec(seed: int):
+def _server_data(name: str) -> Any:
+    return _find(name, ("proxy.data.verify", "proxy.server.upstream"))
+
+
+def _sampling_spec(seed: int) -> Any:
     from npu_draft.protocol import SamplingParams
 
-    module = _data_module()
-    spec_module = module if hasattr(module, "SamplingSpec") else None
-    if spec_module is None:
-        import importlib
-
-        spec_module = importlib.import_module("proxy.data.sampling")
-    return spec_module.SamplingSpec(SamplingParams(0.8, 3, 1.0, 0.0), seed=seed)
+    spec = _find("SamplingSpec", ("proxy.data.sampling", "proxy.server.upstream"))
+    return spec(SamplingParams(0.8, 3, 1.0, 0.0), seed=seed)
 
 
 def _policies(k: int, gate_every: int | None):
@@ -208,8 +210,10 @@ def _policies(k: int, gate_every: int | None):
 
     if hasattr(policies.Policies, "fresh"):
         return policies.Policies.fresh(k, adaptive=False, overlap="off", plain_runs=gate)
-    return policies.PolicySettings(k=k, adaptive=False, overlap="off").build().for_request(
-        None, gate=gate
+    return (
+        policies.PolicySettings(k=k, adaptive=False, overlap="off")
+        .build()
+        .for_request(None, gate=gate)
     )
 
 
@@ -306,8 +310,9 @@ async def _run_scenario(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             "drafter_failed": result.drafter_failed,
             "sampled": result.sampled,
             "timings_counts": {
-                key: value for key, value in result.timings().items() if not key.endswith("_ms")
-                and "per_" not in key
+                key: value
+                for key, value in result.timings().items()
+                if not key.endswith("_ms") and "per_" not in key
             },
         },
         "supervisor": supervisor.snapshot() if supervisor is not None else None,

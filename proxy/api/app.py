@@ -34,6 +34,7 @@ from proxy.api.requests import (
 )
 from proxy.api.tool_calls import ToolTriggers, server_stream
 from proxy.config import ProxySettings
+from proxy.data.sampling import SamplingSpec
 from proxy.drafter_guard import DrafterSupervisor
 from proxy.engine import (
     AsyncDrafter,
@@ -47,7 +48,7 @@ from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.metrics import ProxyMetrics
 from proxy.policies import DraftLengthPolicy, OverlapPolicy, PlainRunGate, Policies
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
-from proxy.server.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
+from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count(1)

@@ -11,10 +11,10 @@
 The measured choices (draft length, drafting ahead, plain runs) are `proxy.policies`.
 """
 
+from proxy.data.records import GenerationResult, RoundObserver, RoundRecord
 from proxy.engine.decode_check import DecodeCountError
 from proxy.engine.drafting import AsyncDrafter, AsyncSessionDrafter
 from proxy.engine.generation import Generation
-from proxy.engine.records import GenerationResult, RoundObserver, RoundRecord
 from proxy.engine.rules import verdict_of
 from proxy.engine.settings import EngineSettings, GenerationParams
 from proxy.engine.slot_copies import SlotReplicator

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from npu_draft.protocol import CancelToken, Draft, SamplingParams, SparseDist
+from proxy.data.records import RoundObserver
 from proxy.engine.drafting import AsyncDrafter, GreedyDraft, StopRule
-from proxy.engine.records import RoundObserver
 
 log = logging.getLogger(__name__)
 

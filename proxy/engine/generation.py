@@ -15,11 +15,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from proxy.data.records import GenerationResult, RoundObserver
 from proxy.engine.decode_check import DecodeCounter
 from proxy.engine.draft_source import DraftSource
 from proxy.engine.drafting import AsyncDrafter
 from proxy.engine.loop_state import LoopState
-from proxy.engine.records import GenerationResult, RoundObserver
 from proxy.engine.rounds import Rounds
 from proxy.engine.rules import rule_for
 from proxy.engine.server_text import PieceCache, ServerTextState, TokenEvent

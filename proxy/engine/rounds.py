@@ -6,19 +6,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from proxy.data.records import RoundObserver, RoundRecord
+from proxy.data.verify import PlainRun, VerifyResult
 from proxy.engine.acceptance import Acceptance, SampledAcceptance
 from proxy.engine.decode_check import DecodeCounter
 from proxy.engine.draft_source import DraftSource
 from proxy.engine.drafting import GreedyDraft
 from proxy.engine.loop_state import LoopState
-from proxy.engine.records import RoundObserver, RoundRecord
 from proxy.engine.rules import Dists, Rule
 from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.engine.slot_copies import FirstRound, SlotCopies
 from proxy.policies import Policies
-from proxy.server.upstream import PlainRun, UpstreamClient, VerifyResult
+from proxy.server.upstream import UpstreamClient
 
 _releasing: set[asyncio.Task[list[int]]] = set()  # slot releases still running
 
@@ -100,29 +101,34 @@ class Rounds:
         back = time.perf_counter()
         run_ms = (back - sent) * 1e3
         events = await self._run_events(loop, run)
+        overhead_ms = (time.perf_counter() - sent) * 1e3 - run_ms
+        drafter_busy = self.drafts.busy_since(sent)
+        server_idle_ms = (sent - loop.last_back) * 1e3
+        loop.last_back = back
+        loop.lag += len(run.tokens)
+        self.slots.used([run.id_slot], run.id_slot)
+        for event in events:
+            yield event
+        decodes, prompt_tokens = await self.decodes.round_delta()
         record = RoundRecord(
             n_drafted=0,
             n_accepted=0,
             n_committed=len(events),
             draft_ms=0.0,
             verify_ms=run_ms,
-            overhead_ms=(time.perf_counter() - sent) * 1e3 - run_ms,
+            overhead_ms=overhead_ms,
+            decodes=decodes,
+            prompt_tokens=prompt_tokens,
             plain_run=True,
             draft_ready_ms=(sent - started) * 1e3,
             verify_sent_ms=(sent - started) * 1e3,
             verify_back_ms=(back - started) * 1e3,
+            server_idle_ms=server_idle_ms,
             drafter_idle_ms=run_ms,
+            round_ms=(time.perf_counter() - started) * 1e3,
             n_run_tokens=len(run.tokens),
-            drafter_busy=self.drafts.busy_since(sent),
+            drafter_busy=drafter_busy,
         )
-        record.server_idle_ms = (started + record.verify_sent_ms / 1e3 - loop.last_back) * 1e3
-        loop.last_back = started + record.verify_back_ms / 1e3
-        loop.lag += len(run.tokens)
-        self.slots.used([run.id_slot], run.id_slot)
-        for event in events:
-            yield event
-        record.decodes, record.prompt_tokens = await self.decodes.round_delta()
-        record.round_ms = (time.perf_counter() - started) * 1e3
         self._close_round(loop, record)
         loop.after_run = True
 
@@ -193,8 +199,13 @@ class Rounds:
         round_.copied = await self.slots.warm_for(n_drafted + 1, len(round_.committed))
         round_.verify_start = time.perf_counter()
         if loop.awaiting_overlap is not None:  # the last round's choice, judged
-            self.policies.observe_next_draft(loop.awaiting_overlap, n_drafted, round_.draft_ms)
-            loop.awaiting_overlap = None
+            awaiting, loop.awaiting_overlap = loop.awaiting_overlap, None
+            assert loop.rounds[-1] is awaiting  # a plain run in between clears it
+            # the record completed by what this round's draft waited (a new record:
+            # the one the policies and metrics saw is never changed)
+            judged = replace(awaiting, next_drafted=n_drafted, next_draft_ms=round_.draft_ms)
+            loop.rounds[-1] = judged
+            self.policies.observe_next_draft(judged)
         round_.drafted_ahead = self.rule.draft_ahead(n_drafted)
 
     async def _verify(self, loop: LoopState, round_: _Round) -> None:

@@ -14,6 +14,8 @@ from typing import Protocol
 import numpy as np
 
 from npu_draft.protocol import SparseDist
+from proxy.data.sampling import SamplingSpec
+from proxy.data.verify import PlainRun, VerifyResult
 from proxy.engine.acceptance import (
     Acceptance,
     RngChooser,
@@ -25,7 +27,7 @@ from proxy.engine.acceptance import (
 from proxy.engine.draft_source import DraftOutcome, DraftSource
 from proxy.engine.server_text import PieceCache, valid_utf8_prefix
 from proxy.policies import Policies
-from proxy.server.upstream import PlainRun, SamplingSpec, UpstreamClient, VerifyResult
+from proxy.server.upstream import UpstreamClient
 
 Dists = list[SparseDist | None] | None  # q per draft token in sampling mode
 _RANDOM_SEED = 0xFFFFFFFF  # the server's "random seed"; the proxy's draws stay below it

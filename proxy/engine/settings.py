@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from proxy.data.sampling import SamplingSpec
 from proxy.policies import OverlapMode
-from proxy.server.upstream import SamplingSpec
 
 if TYPE_CHECKING:
     from proxy.config import ProxySettings

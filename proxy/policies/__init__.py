@@ -1,6 +1,6 @@
 """The measured choices of the engine, each behind one interface: `decide` before a
 round (how many drafts, whether to draft ahead, whether to let the server decode alone)
-and `observe(record)` with what the round cost (`proxy.engine.records.RoundRecord`).
+and `observe(record)` with what the round cost (`proxy.data.records.RoundRecord`).
 
 The policies are shared by the requests of one proxy (the plain-run gate by the
 requests of one kind); `Policies` bundles the ones a generation asks.
@@ -16,7 +16,7 @@ from proxy.policies.overlap import OverlapMode, OverlapPolicy
 from proxy.policies.plain_runs import PlainRunGate, RunMode
 
 if TYPE_CHECKING:
-    from proxy.engine.records import RoundRecord
+    from proxy.data.records import RoundRecord
 
 
 @dataclass
@@ -63,11 +63,11 @@ class Policies:
             self.plain_runs.observe(record)
         self.draft_length.observe(record)
 
-    def observe_next_draft(self, record: RoundRecord, n_drafted: int, draft_ms: float) -> None:
-        """The round after `record` has its draft: what that waited judges `record`'s
-        choice to draft ahead (the overlap policy). It must judge before the round's own
-        choice, so it cannot wait for the round's record."""
-        record.next_drafted, record.next_draft_ms = n_drafted, draft_ms
+    def observe_next_draft(self, record: RoundRecord) -> None:
+        """The round after `record` has its draft: what that waited (`next_drafted`,
+        `next_draft_ms`) judges `record`'s choice to draft ahead (the overlap policy). It
+        must judge before the round's own choice, so it cannot wait for the round's
+        record."""
         self.overlap.observe(record)
 
 

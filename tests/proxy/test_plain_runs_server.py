@@ -151,7 +151,8 @@ async def test_no_slot_copies_for_a_request_that_starts_in_plain_runs(
 
 async def test_sampling_plain_run_is_the_servers_own_draw_with_the_request_chain(spec_server, http):
     from npu_draft.protocol import SamplingParams
-    from proxy.server.upstream import SAMPLING_CHAIN, SamplingSpec
+    from proxy.data.sampling import SamplingSpec
+    from proxy.server.upstream import SAMPLING_CHAIN
 
     chain = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02)
     spec = SamplingSpec(chain=chain, min_keep=0, seed=None)

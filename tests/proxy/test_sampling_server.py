@@ -39,10 +39,11 @@ import pytest
 from npu_draft.protocol import Draft, SamplingParams, SparseDist
 from npu_draft.sampling import sampling_distribution
 from proxy.api.requests import parse_completion
+from proxy.data.sampling import SamplingSpec
 from proxy.engine import AsyncSessionDrafter, EngineSettings, Generation, GenerationParams
 from proxy.engine.drafting import DrafterBase
 from proxy.engine.server_text import PieceCache
-from proxy.server.upstream import SamplingSpec, UpstreamClient
+from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import post_json, tokenize
 from tests.proxy.sampling_stats import chi_square_gof

@@ -8,17 +8,13 @@ import pytest
 
 from npu_draft.protocol import Draft, SparseDist
 from proxy.api.requests import NotEligible, parse_chat, parse_completion
+from proxy.data.sampling import MAX_VERIFY_TOP_K, SamplingSpec
+from proxy.data.verify import VerifyResult
 from proxy.engine import EngineSettings, Generation, GenerationParams, verdict_of
 from proxy.engine.drafting import DrafterBase
 from proxy.engine.server_text import PieceCache
 from proxy.metrics import ProxyMetrics
-from proxy.server.upstream import (
-    MAX_VERIFY_TOP_K,
-    SamplingSpec,
-    VerifyResult,
-    parse_candidates,
-    sampling_verify_params,
-)
+from proxy.server.upstream import parse_candidates, sampling_verify_params
 
 # llama-server b11434's own defaults, as /props reports them
 DEFAULTS = {

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundRecord:
     n_drafted: int
     n_accepted: int
