@@ -208,13 +208,14 @@ def _policies(k: int, gate_every: int | None):
     gate = Alternate("auto") if gate_every else None
     import proxy.policies as policies
 
-    if hasattr(policies.Policies, "fresh"):
+    if hasattr(policies.Policies, "fresh"):  # the old tree's constructor
         return policies.Policies.fresh(k, adaptive=False, overlap="off", plain_runs=gate)
-    return (
-        policies.PolicySettings(k=k, adaptive=False, overlap="off")
-        .build()
-        .for_request(None, gate=gate)
-    )
+    from dataclasses import replace
+
+    from proxy.engine import EngineSettings
+
+    greedy = EngineSettings(k=k, adaptive=False, overlap="off").policies().for_request(None)
+    return replace(greedy, plain_runs=gate)
 
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -235,6 +236,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "no drafter": {"k": 4, "no_drafter": True},
 }
 
+METRICS = "/metrics policy and reliability gauges"
 TIMING_FIELDS = {"drafter_busy"}  # a wall-time comparison inside the record
 
 
@@ -319,8 +321,58 @@ async def _run_scenario(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _metrics_pages() -> dict[str, Any]:
+    """The policy and reliability gauges of /metrics after the same fixed rounds."""
+    from types import SimpleNamespace
+
+    from proxy.engine import RoundRecord
+    from proxy.policies import DraftLengthPolicy, OverlapPolicy, PlainRunGate, Policies
+
+    records = [
+        RoundRecord(
+            n, min(n, i % 4), min(n, i % 4) + 1, 2.0 * n, 30.0 + 3 * n, 1.0, first=i == 0,
+            round_ms=40.0 + 5 * n, fresh_tokens=n, fresh_ms=2.0 * n, draft_probs=[0.8] * n,
+            plain_run=i % 7 == 5, n_run_tokens=16 if i % 7 == 5 else 0,
+            drafted_ahead=bool(i % 2), next_drafted=n, next_draft_ms=1.0 + i % 3,
+        )
+        for i, n in enumerate([4, 3, 4, 2, 4, 1, 3, 4, 2, 4, 3, 4, 4, 1, 2, 3] * 3)
+    ]  # fmt: skip
+    scheduler = SimpleNamespace(active=1, queued=2, rejected=3)
+    drafters = {"sessions_open": 1, "failures": 2, "recreations": 1}
+    try:
+        from proxy.metrics import policy_page, reliability_page
+        from proxy.policies import SharedPolicies
+    except ImportError:  # the old tree: the API rendered them from its state
+        from proxy.api.app import policy_metrics, reliability_metrics
+
+        state = SimpleNamespace(
+            draft_lengths=DraftLengthPolicy(4, True, "formula"),
+            overlap_policy=OverlapPolicy("auto"),
+            plain_run_gate=PlainRunGate("auto"),
+            sampled_run_gate=PlainRunGate("auto", name="unseeded sampling"),
+            scheduler=scheduler, drafters=SimpleNamespace(snapshot=lambda: drafters),
+            client_disconnects=4, upstream_failures=5, server_restarts=lambda: 6,
+        )  # fmt: skip
+        policies = Policies(state.draft_lengths, state.overlap_policy, state.plain_run_gate)
+        for record in records:
+            policies.observe(record)
+            policies.observe_next_draft(record, record.next_drafted, record.next_draft_ms)
+        return {"policies": policy_metrics(state), "reliability": reliability_metrics(state)}
+    shared = SharedPolicies.build(4, True, "formula", "auto", "auto")
+    policies = shared.for_request(None)
+    for record in records:
+        policies.observe(record)
+        policies.observe_next_draft(record)
+    return {
+        "policies": policy_page(shared),
+        "reliability": reliability_page(scheduler, drafters, 4, 5, 6),  # type: ignore[arg-type]
+    }
+
+
 async def _emit() -> dict[str, Any]:
-    return {name: await _run_scenario(name, spec) for name, spec in SCENARIOS.items()}
+    out = {name: await _run_scenario(name, spec) for name, spec in SCENARIOS.items()}
+    out[METRICS] = _metrics_pages()
+    return out
 
 
 def _side(tree: Path) -> dict[str, Any]:
@@ -355,20 +407,23 @@ def main() -> int:
         old = _side(_old_tree(args.old, Path(tmp)))
     new = _side(ROOT)
     differ = 0
-    for name in SCENARIOS:
+    for name in [*SCENARIOS, METRICS]:
         same = old[name] == new[name]
         differ += not same
         run = new[name]
-        print(
-            f"{'same' if same else 'DIFFERENT':9} {name}: {len(run['events'])} tokens, "
-            f"{len(run['server_calls'])} server calls, {len(run['drafter_calls'])} drafter "
-            f"calls, {len(run['records'])} records"
+        what = (
+            f"{sum(len(page.splitlines()) for page in run.values())} lines"
+            if name == METRICS
+            else f"{len(run['events'])} tokens, {len(run['server_calls'])} server calls, "
+            f"{len(run['drafter_calls'])} drafter calls, {len(run['records'])} records"
         )
+        print(f"{'same' if same else 'DIFFERENT':9} {name}: {what}")
         if not same:
             for part in old[name]:
                 if old[name][part] != new[name][part]:
                     print(f"  {part}:\n    old {old[name][part]}\n    new {new[name][part]}")
-    print(f"{len(SCENARIOS) - differ} of {len(SCENARIOS)} scenarios identical (old {args.old})")
+    total = len(SCENARIOS) + 1
+    print(f"{total - differ} of {total} comparisons identical (old {args.old})")
     return 1 if differ else 0
 
 

@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 class Generation:
     """Iterate `run()` for TokenEvents; `result` is set when iteration ends.
 
-    `policies` default to fresh ones from `settings` (no plain runs): a proxy passes
-    the ones its requests share."""
+    `policies` default to fresh ones from `settings` (`EngineSettings.policies`): a
+    proxy passes the ones its requests share."""
 
     def __init__(
         self,
@@ -63,7 +63,7 @@ class Generation:
         self.request_id = request_id
         self.replicator = replicator
         self.slot_file = slot_file
-        self.policies = policies or Policies.fresh(settings.k, settings.adaptive, settings.overlap)
+        self.policies = policies or settings.policies().for_request(params.sampling)
         self.result: GenerationResult | None = None
         # emptying the slots of a generation that ended with plain decoding chosen
         self.releasing: asyncio.Task[list[int]] | None = None
