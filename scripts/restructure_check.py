@@ -192,6 +192,27 @@ def _sampling_spec(seed: int) -> Any:
     return spec(SamplingParams(0.8, 3, 1.0, 0.0), seed=seed)
 
 
+def _propose_only(session: ScriptedSession, hang_at: int | None) -> Any:
+    """A drafter that only proposes (`DrafterBase`), hanging at its call number
+    `hang_at`: the shape of the test suite's fault-injecting drafters."""
+    from proxy.engine.drafting import DrafterBase
+
+    class ProposeOnly(DrafterBase):
+        calls = 0
+
+        async def propose(self, committed: Sequence[int], k: int) -> list[int]:
+            self.calls += 1
+            if self.calls == hang_at:
+                await asyncio.sleep(3600)
+            session.sync(committed)
+            return session.propose(k).tokens
+
+        async def close(self) -> None:
+            session.close()
+
+    return ProposeOnly()
+
+
 def _policies(k: int, gate_every: int | None):
     """Fixed policies: no adaptive length; a plain-run gate that alternates, or none."""
     from proxy.policies import PlainRunGate
@@ -234,6 +255,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "sampling seeded": {"k": 3, "miss_every": 4, "sampling_seed": 1234},
     "sampling seeded, guarded": {"k": 4, "miss_every": 4, "sampling_seed": 99, "guard": True},
     "no drafter": {"k": 4, "no_drafter": True},
+    "propose-only drafter": {"k": 3, "miss_every": 4, "propose_only": True},
+    "guarded drafter times out": {
+        "k": 3,
+        "miss_every": 4,
+        "propose_only": True,
+        "guard": True,
+        "hang_at": 3,
+        "timeout_s": 0.2,
+    },
 }
 
 METRICS = "/metrics policy and reliability gauges"
@@ -261,6 +291,8 @@ async def _run_scenario(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         session = ScriptedSession(
             drafter_log, spec.get("miss_every", 0), spec.get("fail_at"), spec.get("garbage_at")
         )
+        if spec.get("propose_only"):
+            return _propose_only(session, spec.get("hang_at"))
         return AsyncSessionDrafter(session)
 
     supervisor = None
@@ -269,7 +301,9 @@ async def _run_scenario(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     elif spec.get("guard"):
         from proxy.drafter_guard import DrafterSupervisor
 
-        supervisor = DrafterSupervisor(open_drafter, n_vocab=N_VOCAB)
+        supervisor = DrafterSupervisor(
+            open_drafter, propose_timeout_s=spec.get("timeout_s", 30.0), n_vocab=N_VOCAB
+        )
         drafter = await supervisor.open()
     else:
         drafter = open_drafter()
@@ -289,6 +323,8 @@ async def _run_scenario(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if spec.get("gate_every") or spec.get("overlap", "off") == "off":
         kwargs["policies"] = _policies(k, spec.get("gate_every"))
+    if supervisor is not None and hasattr(supervisor, "bounded"):
+        kwargs["guard"] = supervisor  # the new tree: the proposer asks the guard itself
     generation = Generation(
         server, list(range(1, N_PROMPT + 1)), params, spec.get("n_ctx", 1000), drafter,
         PieceCache(server), settings=settings, **kwargs,

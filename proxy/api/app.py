@@ -43,6 +43,7 @@ from proxy.engine import (
     GenerationResult,
     SlotReplicator,
 )
+from proxy.engine.background import BackgroundTasks
 from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.metrics import ProxyMetrics, policy_page, reliability_page
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
@@ -96,6 +97,7 @@ class ProxyState:
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
         self.tool_triggers = ToolTriggers(self.upstream)
+        self.background = BackgroundTasks()  # what generations leave running
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -186,6 +188,7 @@ def create_app(state: ProxyState) -> web.Application:
     for path in PUBLIC_PATHS:
         app.router.add_get(path, health)
     app.router.add_route("*", "/{tail:.*}", passthrough)
+    app.on_cleanup.append(lambda _app: state.background.close())
     return app
 
 
@@ -451,6 +454,8 @@ async def _start_generation(
         ),
         n_ctx=state.n_ctx,
         drafter=await state.drafters.open(),
+        guard=state.drafters,
+        background=state.background,
         pieces=state.pieces,
         observer=state.metrics,
         settings=state.engine_settings,

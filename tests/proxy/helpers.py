@@ -298,8 +298,8 @@ class RecordingDrafter(DrafterBase):
     async def extend(self, n_max: int, cancel: Any) -> int:
         return await self._inner.extend(n_max, cancel)
 
-    async def propose_sampled(self, committed: Sequence[int], k: int, sampling: Any, rng: Any):
-        return await self._inner.propose_sampled(committed, k, sampling, rng)
+    async def draft_sampled(self, committed: Sequence[int], k: int, sampling: Any, rng: Any):
+        return await self._inner.draft_sampled(committed, k, sampling, rng)
 
     async def propose(self, committed: Sequence[int], k: int) -> list[int]:
         tokens = list(await self._inner.propose(committed, k))

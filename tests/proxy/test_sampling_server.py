@@ -78,9 +78,9 @@ class FixedQDrafter(DrafterBase):
         self.q = q
 
     async def propose(self, committed, k):
-        raise AssertionError("sampling requests must draft through propose_sampled")
+        raise AssertionError("sampling requests must draft through draft_sampled")
 
-    async def propose_sampled(self, committed, k, sampling, rng) -> Draft:
+    async def draft_sampled(self, committed, k, sampling, rng) -> Draft:
         assert list(committed) == self.prompt and k == 1  # n_predict 2: one draft, first round
         index = int(rng.choice(len(self.q.ids), p=self.q.probs))
         return Draft([int(self.q.ids[index])], [float(self.q.probs[index])], [self.q])
