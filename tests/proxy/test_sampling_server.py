@@ -90,7 +90,7 @@ class FixedQDrafter(DrafterBase):
 
 
 def draft_q(folder: Path, prompt: list[int], chain: SamplingParams) -> SparseDist:
-    from npu_draft.reference import ReferenceDraftModel
+    from tests.support.reference import ReferenceDraftModel
 
     session = ReferenceDraftModel.from_hf(folder / "draft-hf", max_context=CTX).open_session()
     session.sync(prompt)
