@@ -13,11 +13,11 @@ A `Proposer` serves one generation. The rounds ask it:
 - `time_drafter(committed, k, report)`: while the server decodes alone, draft only to
   learn the drafter's speed.
 
-Every call on the drafter goes through `_bounded`, once: the guard's time bound and id
-check where the proxy gave a guard (`DraftGuard`, the drafter supervisor), and a
-failure drops the drafter, so the rest of the generation is plain decoding, lossless
-either way. Drafting ahead is the exception: its failure is reported and logged, and
-the round goes on with what the line holds.
+Every call on the drafter goes through `_guarded`, once: the guard's time bound and id
+check where the proxy gave a guard (`DraftGuard`, the drafter supervisor), which
+counts a failure. A draft that fails (`_run_draft`) drops the drafter, so the rest of
+the generation is plain decoding, lossless either way; drafting ahead that fails is
+logged, and the next draft goes on with what the line holds.
 
 Multi-outcome drafting (issue 29) fits the same two calls: `prepare` is told the
 committed sequence a round may end with and `draft` takes the prepared draft whose
@@ -306,7 +306,7 @@ class Proposer:
         async def propose(drafter: AsyncDrafter) -> tuple[GreedyDraft, Dists]:
             return await self._guarded(call(drafter), k, lambda d: d.tokens), None
 
-        return await self._bounded(k, propose)
+        return await self._run_draft(k, propose)
 
     async def _draft_sampled(
         self, committed: list[int], k: int, sampled: SampledDrafts
@@ -322,9 +322,9 @@ class Proposer:
             dists: list[SparseDist | None] = list(draft.dists or [])[: len(tokens)]
             return GreedyDraft(tokens=tokens), dists + [None] * (len(tokens) - len(dists))
 
-        return await self._bounded(k, propose)
+        return await self._run_draft(k, propose)
 
-    async def _bounded(
+    async def _run_draft(
         self, k: int, propose: Callable[[AsyncDrafter], Awaitable[tuple[GreedyDraft, Dists]]]
     ) -> DraftOutcome:
         """One draft at a time on the session (drafting ahead and a timing draft end
