@@ -65,7 +65,7 @@ class ScriptedServer:
 
     async def verify(self, context, draft, spec=None, seed=0):
         self.log.append(["verify", len(context), list(draft), spec is not None, int(seed)])
-        await asyncio.sleep(0.005)  # drafting ahead finishes its few tokens meanwhile
+        await asyncio.sleep(0.03)  # drafting ahead finishes its few tokens meanwhile
         self.decodes += 1
         results = []
         for i in range(len(draft) + 1):
