@@ -6,7 +6,7 @@ Accepted forms::
     FOLDER with genai_config.json   backend genai (unless backend="onnx")
     FOLDER with model.onnx          backend onnx
     "FOLDER+ngram"                  the model, with n-gram continuations when long
-    FOLDER with oracle.json         the oracle stand-in for benchmarks (npu_draft.oracle)
+    FOLDER with oracle.json only    the oracle stand-in for benchmarks (npu_draft.oracle)
 """
 
 from __future__ import annotations
@@ -69,14 +69,16 @@ def load_drafter(
 def _load_folder(
     text: str, provider: str, backend: str, target: TokenizerFacts | None, opts: dict[str, Any]
 ) -> DraftModel:
-    """A drafter folder: the oracle stand-in, or a model for the genai or onnx backend."""
+    """A drafter folder: a model for the genai or onnx backend, or, in a folder that
+    holds none, the benchmarks' oracle stand-in."""
     folder = Path(text)
     if not folder.is_dir():
         raise FileNotFoundError(f"drafter {text!r} is neither a folder nor 'ngram[:sizes]'")
-    from npu_draft.oracle import is_oracle_folder
+    if not _holds_model(folder):
+        from npu_draft.oracle import is_oracle_folder
 
-    if is_oracle_folder(folder):
-        return _load_oracle(folder, target)
+        if is_oracle_folder(folder):
+            return _load_oracle(folder, target)
     if target is not None:
         _require_matching_tokenizer(folder, target)
     if _folder_backend(folder, backend) == "genai":
@@ -105,6 +107,10 @@ def _require_matching_tokenizer(folder: Path, target: TokenizerFacts) -> None:
             f"config.json); re-export it with `npu-spec export-drafter`"
         )
     check_tokenizer_match(expected, target)
+
+
+def _holds_model(folder: Path) -> bool:
+    return (folder / "genai_config.json").is_file() or any(folder.glob("*.onnx"))
 
 
 def _folder_backend(folder: Path, backend: str) -> str:

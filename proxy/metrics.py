@@ -1,12 +1,17 @@
-"""The proxy's own Prometheus metrics (text exposition format, no dependency)."""
+"""The proxy's own Prometheus metrics (text exposition format, no dependency): the
+engine's rounds (`ProxyMetrics`), what the policies measured and chose (`policy_page`)
+and the fault paths (`reliability_page`); `/metrics` serves them in that order."""
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
-from proxy.engine import RoundRecord
+from proxy.data.records import RoundRecord
+from proxy.policies import SharedPolicies
+from proxy.scheduler import SlotScheduler
 
 MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
@@ -232,3 +237,86 @@ HISTOGRAMS = (
         "tokens_per_second",
     ),
 )
+
+
+def policy_page(policies: SharedPolicies) -> str:
+    """What the draft-length, overlap and plain-run policies measured and chose (gauges;
+    a value not measured yet is left out)."""
+    lengths = policies.draft_length.snapshot()
+    overlap = policies.overlap.snapshot()
+    runs = policies.plain_runs.snapshot()
+    rows = [
+        ("npu_spec_drafting_ahead", "1 while drafts are made during verification",
+         1.0 if overlap["chosen"] else 0.0),
+        ("npu_spec_drafting_ahead_saving_ms", "Drafting a round avoided by drafting ahead",
+         overlap["saving_ms"]),
+        ("npu_spec_drafting_ahead_penalty_ms", "Verify time drafting ahead added",
+         overlap["penalty_ms"]),
+        ("npu_spec_draft_calibration", "Accepted drafts over the draft's own expectation",
+         lengths["calibration"] if lengths["rounds"] else None),
+        ("npu_spec_verify_ms_per_draft", "Verify time each extra draft adds (fitted)",
+         lengths["verify_ms_per_draft"] if lengths["rounds"] else None),
+        ("npu_spec_draft_acceptance", "Per-draft acceptance, accepted / (accepted + rejections)",
+         lengths["acceptance"]),
+        ("npu_spec_draft_token_ms", "Drafter time per token drafted fresh",
+         lengths["draft_token_ms"]),
+        ("npu_spec_draft_resync_ms", "Wait of a re-synced round beyond drafting its tokens",
+         lengths["resync_ms"]),
+        ("npu_spec_draft_length_chosen", "Draft length the formula chooses (drafting ahead)",
+         lengths["formula_k_ahead"] if lengths["rule"] == "formula" else None),
+        ("npu_spec_plain_runs_chosen", "1 while plain runs are cheaper than speculating",
+         1.0 if runs["plain_chosen"] else 0.0),
+        ("npu_spec_speculative_ms_per_token", "Steady speculative rounds, ms per token",
+         runs["spec_ms_per_token"]),
+        ("npu_spec_plain_run_ms_per_token", "Plain runs, ms per token",
+         runs["plain_ms_per_token"]),
+        ("npu_spec_sampled_plain_runs_chosen",
+         "1 while plain runs are cheaper than speculating, sampling requests",
+         1.0 if policies.sampled_plain_runs.prefers_plain() else 0.0),
+    ]  # fmt: skip
+    lines: list[str] = []
+    for name, help_text, value in rows:
+        if value is not None:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value:g}"]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def reliability_page(
+    scheduler: SlotScheduler,
+    drafters: dict[str, Any],
+    client_disconnects: int,
+    upstream_failures: int,
+    server_restarts: int | None,
+) -> str:
+    """Gauges and counters of the fault paths (Prometheus text): the scheduler's, the
+    drafter supervisor's snapshot, the API's counts, and managed mode's restarts (None:
+    attached)."""
+    rows = [
+        ("npu_spec_slot_groups_active", "gauge", "Slot groups held by generations",
+         scheduler.active),
+        ("npu_spec_queue_length", "gauge", "Requests waiting for a slot group",
+         scheduler.queued),
+        ("npu_spec_queue_rejections_total", "counter",
+         "Requests refused with 503 because the queue was full", scheduler.rejected),
+        ("npu_spec_drafter_sessions_open", "gauge", "Draft sessions not yet closed",
+         drafters.get("sessions_open", 0)),
+        ("npu_spec_drafter_faults_total", "counter",
+         "Drafter errors, timeouts, bad drafts and failed opens (each served plainly)",
+         drafters.get("failures", 0)),
+        ("npu_spec_drafter_recreations_total", "counter",
+         "Times the drafter was re-created after a failure", drafters.get("recreations", 0)),
+        ("npu_spec_client_disconnects_total", "counter",
+         "Requests to the speculative routes whose client went away", client_disconnects),
+        ("npu_spec_upstream_failures_total", "counter",
+         "Speculative requests ended by an unreachable or failing llama-server",
+         upstream_failures),
+    ]  # fmt: skip
+    if server_restarts is not None:
+        rows.append(
+            ("npu_spec_server_restarts_total", "counter",
+             "Times managed mode restarted a llama-server that died", server_restarts)
+        )  # fmt: skip
+    lines: list[str] = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+    return "\n".join(lines) + "\n"

@@ -24,10 +24,9 @@ import time
 from dataclasses import dataclass
 
 from npu_draft.oracle import OracleConfig, OracleDraftModel
+from proxy.data.verify import VerifyResult
 from proxy.engine import AsyncSessionDrafter, EngineSettings, Generation, GenerationParams
 from proxy.engine.server_text import PieceCache
-from proxy.policies import DraftLengthPolicy, OverlapPolicy, Policies
-from proxy.server.upstream import VerifyResult
 
 
 @dataclass
@@ -78,12 +77,10 @@ async def run_config(name: str, options: dict[str, str], args) -> dict:
         adaptive=options.get("adaptive", "1") == "1",
         overlap=options.get("overlap", "on"),  # type: ignore[arg-type]
         early_draft=options.get("early_draft", "1") == "1",
+        draft_length=options.get("draft_length", "formula"),  # type: ignore[arg-type]
     )
-    rule = options.get("draft_length", "formula")
-    policies = Policies(
-        DraftLengthPolicy(k_max, settings.adaptive, rule),  # type: ignore[arg-type]
-        OverlapPolicy(settings.overlap),
-    )
+    # shared by the requests, as a proxy shares them
+    policies = settings.policies().for_request(None)
     server = SimServer(script, n_prompt, args.verify)
     tokens = 0
     rounds = []

@@ -29,7 +29,7 @@ SERVER_THREADS = os.environ.get("NPU_SPEC_TEST_THREADS", "2")
 
 def _factory_fingerprint() -> str:
     digest = hashlib.sha256()
-    for folder in ("npu_draft/factory", "npu_draft/export.py", "npu_draft/reference.py"):
+    for folder in ("npu_draft/factory", "npu_draft/export.py", "tests/support/reference.py"):
         path = REPO / folder
         files = sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.exists() else []
         for file in files:

@@ -98,17 +98,17 @@ def draft_weights(core: Weights, spec: DraftSpec, seed: int) -> Weights:
 
 def _pinned_sources() -> tuple[Path, str]:
     """llama.cpp's Qwen2 vocab GGUF and the Qwen3 chat template, from the pinned source."""
-    from proxy.server import server_install  # the pinned llama.cpp source lives in its cache
+    from npu_draft import llama_source  # the pinned llama.cpp source, in the npu-spec cache
 
-    server_install.fetch_source()
-    return server_install.vocab_file(), server_install.chat_template_file().read_text()
+    llama_source.fetch_source()
+    return llama_source.vocab_file(), llama_source.chat_template_file().read_text()
 
 
 def _tokenizer_dir(vocab_gguf: Path, chat_template: str) -> Path:
     """Tokenizer files converted once per machine and reused."""
-    from proxy.server import server_install
+    from npu_draft import llama_source
 
-    cached = server_install.cache_root() / "tokenizer-qwen3"
+    cached = llama_source.cache_root() / "tokenizer-qwen3"
     if not (cached / "tokenizer.json").is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:

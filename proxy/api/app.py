@@ -43,11 +43,11 @@ from proxy.engine import (
     GenerationResult,
     SlotReplicator,
 )
+from proxy.engine.background import BackgroundTasks
 from proxy.engine.server_text import PieceCache, TokenEvent
-from proxy.metrics import ProxyMetrics
-from proxy.policies import DraftLengthPolicy, OverlapPolicy, PlainRunGate, Policies
+from proxy.metrics import ProxyMetrics, policy_page, reliability_page
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
-from proxy.server.upstream import SamplingSpec, UpstreamClient, UpstreamClientError, UpstreamError
+from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count(1)
@@ -93,17 +93,11 @@ class ProxyState:
         # clients (guard.RESERVED_SLOT_PREFIX), so no request can swap their contents.
         self.slot_file_stem = f"{RESERVED_SLOT_PREFIX}{secrets.token_hex(8)}"
         self.engine_settings = EngineSettings.from_settings(settings)
-        self.draft_lengths = DraftLengthPolicy(
-            settings.k, settings.adaptive_k, settings.draft_length
-        )
-        self.overlap_policy = OverlapPolicy(settings.overlap)
-        # one gate per mode: a sampling round costs more (the server sends its
-        # distribution back), so the two are measured apart
-        self.plain_run_gate = PlainRunGate(settings.plain_runs)
-        self.sampled_run_gate = PlainRunGate(settings.plain_runs, name="unseeded sampling")
+        self.policies = self.engine_settings.policies()  # shared by every request
         self.client_disconnects = 0
         self.upstream_failures = 0  # speculative requests ended by a failing server
         self.tool_triggers = ToolTriggers(self.upstream)
+        self.background = BackgroundTasks()  # what generations leave running
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -194,6 +188,7 @@ def create_app(state: ProxyState) -> web.Application:
     for path in PUBLIC_PATHS:
         app.router.add_get(path, health)
     app.router.add_route("*", "/{tail:.*}", passthrough)
+    app.on_cleanup.append(lambda _app: state.background.close())
     return app
 
 
@@ -221,7 +216,15 @@ async def _forward(
 async def metrics(request: web.Request) -> web.Response:
     """The proxy's counters, followed by the server's own when it exposes them."""
     state = request.app[STATE]
-    page = state.metrics.render() + reliability_metrics(state) + policy_metrics(state)
+    drafters = state.drafters.snapshot() if state.drafters is not None else {}
+    restarts = state.server_restarts() if state.server_restarts is not None else None
+    page = (
+        state.metrics.render()
+        + reliability_page(
+            state.scheduler, drafters, state.client_disconnects, state.upstream_failures, restarts
+        )
+        + policy_page(state.policies)
+    )
     try:
         page += await state.upstream.metrics_text()
     except UpstreamError as exc:
@@ -258,93 +261,9 @@ def _pass_while_plain_preferred(state: ProxyState, params: SpecParams) -> None:
     """While plain runs are the measured choice, requests go to llama-server whole
     (its own decoding loop and streaming), except the ones that re-measure; checked
     before the prompt is tokenized."""
-    gate = _run_gate(state, params.sampling)
+    gate = state.policies.gate_for(params.sampling)
     if gate is not None and gate.pass_through():
         raise NotEligible(PLAIN_PREFERRED)
-
-
-def _run_gate(state: ProxyState, sampling: SamplingSpec | None) -> PlainRunGate | None:
-    """The plain-run gate for a request. A seeded sampling request always speculates:
-    its draws then depend on its seed alone, not on what the proxy measured before."""
-    if sampling is None:
-        return state.plain_run_gate
-    return None if sampling.seed is not None else state.sampled_run_gate
-
-
-def policy_metrics(state: ProxyState) -> str:
-    """What the draft-length, overlap and plain-run policies measured and chose (gauges;
-    a value not measured yet is left out)."""
-    lengths = state.draft_lengths.snapshot()
-    overlap = state.overlap_policy.snapshot()
-    runs = state.plain_run_gate.snapshot()
-    rows = [
-        ("npu_spec_drafting_ahead", "1 while drafts are made during verification",
-         1.0 if overlap["chosen"] else 0.0),
-        ("npu_spec_drafting_ahead_saving_ms", "Drafting a round avoided by drafting ahead",
-         overlap["saving_ms"]),
-        ("npu_spec_drafting_ahead_penalty_ms", "Verify time drafting ahead added",
-         overlap["penalty_ms"]),
-        ("npu_spec_draft_calibration", "Accepted drafts over the draft's own expectation",
-         lengths["calibration"] if lengths["rounds"] else None),
-        ("npu_spec_verify_ms_per_draft", "Verify time each extra draft adds (fitted)",
-         lengths["verify_ms_per_draft"] if lengths["rounds"] else None),
-        ("npu_spec_draft_acceptance", "Per-draft acceptance, accepted / (accepted + rejections)",
-         lengths["acceptance"]),
-        ("npu_spec_draft_token_ms", "Drafter time per token drafted fresh",
-         lengths["draft_token_ms"]),
-        ("npu_spec_draft_resync_ms", "Wait of a re-synced round beyond drafting its tokens",
-         lengths["resync_ms"]),
-        ("npu_spec_draft_length_chosen", "Draft length the formula chooses (drafting ahead)",
-         lengths["formula_k_ahead"] if lengths["rule"] == "formula" else None),
-        ("npu_spec_plain_runs_chosen", "1 while plain runs are cheaper than speculating",
-         1.0 if runs["plain_chosen"] else 0.0),
-        ("npu_spec_speculative_ms_per_token", "Steady speculative rounds, ms per token",
-         runs["spec_ms_per_token"]),
-        ("npu_spec_plain_run_ms_per_token", "Plain runs, ms per token",
-         runs["plain_ms_per_token"]),
-        ("npu_spec_sampled_plain_runs_chosen",
-         "1 while plain runs are cheaper than speculating, sampling requests",
-         1.0 if state.sampled_run_gate.prefers_plain() else 0.0),
-    ]  # fmt: skip
-    lines: list[str] = []
-    for name, help_text, value in rows:
-        if value is not None:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value:g}"]
-    return "\n".join(lines) + "\n" if lines else ""
-
-
-def reliability_metrics(state: ProxyState) -> str:
-    """Gauges and counters of the fault paths (Prometheus text)."""
-    drafters = state.drafters.snapshot() if state.drafters is not None else {}
-    rows = [
-        ("npu_spec_slot_groups_active", "gauge", "Slot groups held by generations",
-         state.scheduler.active),
-        ("npu_spec_queue_length", "gauge", "Requests waiting for a slot group",
-         state.scheduler.queued),
-        ("npu_spec_queue_rejections_total", "counter",
-         "Requests refused with 503 because the queue was full", state.scheduler.rejected),
-        ("npu_spec_drafter_sessions_open", "gauge", "Draft sessions not yet closed",
-         drafters.get("sessions_open", 0)),
-        ("npu_spec_drafter_faults_total", "counter",
-         "Drafter errors, timeouts, bad drafts and failed opens (each served plainly)",
-         drafters.get("failures", 0)),
-        ("npu_spec_drafter_recreations_total", "counter",
-         "Times the drafter was re-created after a failure", drafters.get("recreations", 0)),
-        ("npu_spec_client_disconnects_total", "counter",
-         "Requests to the speculative routes whose client went away", state.client_disconnects),
-        ("npu_spec_upstream_failures_total", "counter",
-         "Speculative requests ended by an unreachable or failing llama-server",
-         state.upstream_failures),
-    ]  # fmt: skip
-    if state.server_restarts is not None:
-        rows.append(
-            ("npu_spec_server_restarts_total", "counter",
-             "Times managed mode restarted a llama-server that died", state.server_restarts())
-        )  # fmt: skip
-    lines: list[str] = []
-    for name, kind, help_text, value in rows:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
-    return "\n".join(lines) + "\n"
 
 
 def _retry_after(state: ProxyState, response: web.Response) -> web.Response:
@@ -535,15 +454,15 @@ async def _start_generation(
         ),
         n_ctx=state.n_ctx,
         drafter=await state.drafters.open(),
+        guard=state.drafters,
+        background=state.background,
         pieces=state.pieces,
         observer=state.metrics,
         settings=state.engine_settings,
         request_id=request_id,
         replicator=state.replicator,
         slot_file=f"{state.slot_file_stem}-g{group}.bin",  # one file per group
-        policies=Policies(
-            state.draft_lengths, state.overlap_policy, _run_gate(state, params.sampling)
-        ),
+        policies=state.policies.for_request(params.sampling),
     )
 
 

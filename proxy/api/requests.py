@@ -18,7 +18,7 @@ from proxy.api.sampler_chain import (
     parse_samplers,
     stage_effect,
 )
-from proxy.server.upstream import MAX_VERIFY_TOP_K, SamplingSpec
+from proxy.data.sampling import MAX_VERIFY_TOP_K, SamplingSpec
 
 
 class NotEligible(Exception):

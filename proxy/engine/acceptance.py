@@ -10,6 +10,8 @@ import numpy as np
 
 from npu_draft.protocol import SparseDist
 
+Dists = list[SparseDist | None] | None  # q per draft token in sampling mode (None: no q)
+
 
 @dataclass(frozen=True)
 class Acceptance:

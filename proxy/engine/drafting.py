@@ -1,14 +1,19 @@
-"""The engine's view of a draft session: propose, draft with a stopping rule, draft ahead.
+"""What a drafter offers the engine (`AsyncDrafter`), and the adapter that drives one
+`npu_draft` session as a drafted line (`AsyncSessionDrafter`).
 
-`AsyncSessionDrafter` drives one `npu_draft` session on its own worker thread
-(`AsyncDraftSession`). Greedy rounds use these calls:
+Three calls, each named for what it does (the proposer, `proxy.engine.proposer`, is
+the only caller, and bounds each of them):
 
-- `draft(committed, k_max, worth)`: up to k_max tokens after `committed`, one at a
-  time, stopping at the first token the rule `worth(position, cumulative_p)` says is
+- `draft(committed, k_max, worth)`: greedy, up to k_max tokens after `committed`, one at
+  a time, stopping at the first token the rule `worth(position, cumulative_p)` says is
   not worth verifying. Tokens already drafted beyond `committed` (during the previous
   verification) are reused instead of recomputed.
 - `extend(n_max, cancel)`: keep drafting while the server verifies: the line
   continues as if every pending draft is accepted.
+- `draft_sampled(committed, k, sampling, rng)`: sampling, k draws from the draft's q.
+
+A test double or a simple backend implements only `propose(committed, k)` (k greedy
+tokens) and `close`; `DrafterBase` derives the three calls from it.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ class GreedyDraft:
 
 
 class AsyncDrafter(Protocol):
-    """Every call the engine and the drafter guard make on a draft session.
+    """Every call the proposer makes on a draft session.
 
     A backend that only proposes inherits the rest from `DrafterBase`. The two flags
     say what the engine may plan on: `early_draft`, drafting the next round (through
@@ -55,10 +60,6 @@ class AsyncDrafter(Protocol):
 
     early_draft: bool
     draft_ahead: bool
-
-    async def propose(self, committed: Sequence[int], k: int) -> list[int]:
-        """Up to k greedy draft tokens after `committed`."""
-        ...
 
     async def draft(
         self, committed: Sequence[int], k_max: int, worth: StopRule, k_fresh: int | None = None
@@ -71,7 +72,7 @@ class AsyncDrafter(Protocol):
         """Draft up to n_max more tokens while the server verifies; returns how many."""
         ...
 
-    async def propose_sampled(
+    async def draft_sampled(
         self, committed: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator
     ) -> Draft:
         """Sampling mode: k tokens drawn from the draft's q, with q where it has one."""
@@ -83,7 +84,7 @@ class AsyncDrafter(Protocol):
 class DrafterBase(ABC):
     """The defaults of `AsyncDrafter` for a backend (or a test double) that only
     proposes: `draft` is a fixed-length `propose` without probabilities, nothing is
-    drafted ahead or early, and sampling mode gets plain tokens without q
+    drafted ahead or early, and `draft_sampled` gives plain tokens without q
     (the acceptance rule then uses the point mass at each token, exact for any
     proposal)."""
 
@@ -91,7 +92,8 @@ class DrafterBase(ABC):
     draft_ahead = False
 
     @abstractmethod
-    async def propose(self, committed: Sequence[int], k: int) -> list[int]: ...
+    async def propose(self, committed: Sequence[int], k: int) -> list[int]:
+        """Up to k greedy draft tokens after `committed`: all such a backend offers."""
 
     async def draft(
         self, committed: Sequence[int], k_max: int, worth: StopRule, k_fresh: int | None = None
@@ -102,7 +104,7 @@ class DrafterBase(ABC):
     async def extend(self, n_max: int, cancel: CancelToken) -> int:
         return 0
 
-    async def propose_sampled(
+    async def draft_sampled(
         self, committed: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator
     ) -> Draft:
         return Draft(tokens=list(await self.propose(committed, k)))
@@ -227,7 +229,7 @@ class AsyncSessionDrafter(DrafterBase):
 
         return await self._session.call(work)
 
-    async def propose_sampled(
+    async def draft_sampled(
         self, committed: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator
     ) -> Draft:
         """Sampling mode: tokens drawn from q (the mirrored chain) and q itself."""

@@ -15,13 +15,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from proxy.data.records import GenerationResult, RoundObserver
+from proxy.engine.background import BackgroundTasks
 from proxy.engine.decode_check import DecodeCounter
-from proxy.engine.draft_source import DraftSource
 from proxy.engine.drafting import AsyncDrafter
 from proxy.engine.loop_state import LoopState
-from proxy.engine.records import GenerationResult, RoundObserver
+from proxy.engine.proposer import DraftGuard, Proposer, SampledDrafts
 from proxy.engine.rounds import Rounds
-from proxy.engine.rules import rule_for
+from proxy.engine.rules import SamplingRule, rule_for
 from proxy.engine.server_text import PieceCache, ServerTextState, TokenEvent
 from proxy.engine.settings import EngineSettings, GenerationParams
 from proxy.engine.slot_copies import SlotCopies, SlotReplicator
@@ -34,8 +35,10 @@ log = logging.getLogger(__name__)
 class Generation:
     """Iterate `run()` for TokenEvents; `result` is set when iteration ends.
 
-    `policies` default to fresh ones from `settings` (no plain runs): a proxy passes
-    the ones its requests share."""
+    `policies` default to fresh ones from `settings` (`EngineSettings.policies`): a
+    proxy passes the ones its requests share, the guard its drafter sessions answer to
+    (`proxy.drafter_guard.DrafterSupervisor`) and the owner of the work generations
+    leave running (`BackgroundTasks`; by default the generation's own)."""
 
     def __init__(
         self,
@@ -51,6 +54,8 @@ class Generation:
         replicator: SlotReplicator | None = None,
         slot_file: str = "npu-spec-prefill.bin",
         policies: Policies | None = None,
+        guard: DraftGuard | None = None,
+        background: BackgroundTasks | None = None,
     ) -> None:
         self.upstream = upstream
         self.prompt = list(prompt)
@@ -63,7 +68,9 @@ class Generation:
         self.request_id = request_id
         self.replicator = replicator
         self.slot_file = slot_file
-        self.policies = policies or Policies.fresh(settings.k, settings.adaptive, settings.overlap)
+        self.policies = policies or settings.policies().for_request(params.sampling)
+        self.guard = guard
+        self.background = background if background is not None else BackgroundTasks()
         self.result: GenerationResult | None = None
         # emptying the slots of a generation that ended with plain decoding chosen
         self.releasing: asyncio.Task[list[int]] | None = None
@@ -87,30 +94,40 @@ class Generation:
                 async for event in steps:
                     yield event
         finally:
-            await rounds.drafts.close()
+            await rounds.proposer.close()
         self._finish(loop, rounds)
         self.releasing = rounds.release_slots()
 
     async def _rounds(self) -> Rounds:
         """This generation's round machinery: decode counting (read once now), the
-        drafter's work, the greedy or sampling rule, slot copies."""
+        greedy or sampling rule, the proposer, slot copies."""
         settings, policies = self.settings, self.policies
         decodes = DecodeCounter(
             self.upstream, settings.check_decodes, settings.strict_decodes, self.request_id
         )
         await decodes.start()
-        drafts = DraftSource(
-            self.drafter, policies.draft_length.worth, self.request_id, self.observer
+        rule = await rule_for(self.params.sampling, self.pieces)
+        sampled = (
+            SampledDrafts(rule.spec.chain, rule.draft_rng)
+            if isinstance(rule, SamplingRule)
+            else None
         )
-        rule = await rule_for(
-            self.params.sampling, drafts, policies, self.pieces, settings.early_draft
+        proposer = Proposer(
+            self.drafter,
+            policies,
+            settings.early_draft,
+            sampled,
+            self.guard,
+            self.background,
+            self.request_id,
+            self.observer,
         )
         slots = SlotCopies(
             self.replicator, self.slot_file, len(self.prompt), policies.draft_length.slots_to_copy
         )
         return Rounds(
-            self.upstream, self.prompt, self.pieces, settings.k, rule, drafts, policies, slots,
-            decodes, self.observer,
+            self.upstream, self.prompt, self.pieces, settings.k, rule, proposer, policies, slots,
+            decodes, self.observer, self.background,
         )  # fmt: skip
 
     def _finish(self, loop: LoopState, rounds: Rounds) -> None:
@@ -129,7 +146,7 @@ class Generation:
             rounds=loop.rounds,
             prompt_ms=(first_round_end - loop.started) * 1e3,
             predicted_ms=(end - first_round_end) * 1e3,
-            drafter_failed=rounds.drafts.failed,
+            drafter_failed=rounds.proposer.failed,
             sampled=rounds.rule.sampled,
         )
         if self.observer is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proxy.engine.records import RoundRecord
+from proxy.data.records import RoundRecord
 from proxy.engine.server_text import ServerTextState
 
 

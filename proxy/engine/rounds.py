@@ -6,21 +6,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from proxy.engine.acceptance import Acceptance, SampledAcceptance
+from proxy.data.records import RoundObserver, RoundRecord
+from proxy.data.verify import PlainRun, VerifyResult
+from proxy.engine.acceptance import Acceptance, Dists, SampledAcceptance
+from proxy.engine.background import BackgroundTasks
 from proxy.engine.decode_check import DecodeCounter
-from proxy.engine.draft_source import DraftSource
 from proxy.engine.drafting import GreedyDraft
 from proxy.engine.loop_state import LoopState
-from proxy.engine.records import RoundObserver, RoundRecord
-from proxy.engine.rules import Dists, Rule
+from proxy.engine.proposer import Proposer
+from proxy.engine.rules import Rule
 from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.engine.slot_copies import FirstRound, SlotCopies
 from proxy.policies import Policies
-from proxy.server.upstream import PlainRun, UpstreamClient, VerifyResult
-
-_releasing: set[asyncio.Task[list[int]]] = set()  # slot releases still running
+from proxy.server.upstream import UpstreamClient
 
 
 @dataclass
@@ -51,8 +51,8 @@ class _Round:
 
 
 class Rounds:
-    """One generation's rounds and what they use: the server, the rule, the drafter's
-    work, the policies, slot copies and the decode check."""
+    """One generation's rounds and what they use: the server, the rule, the proposer,
+    the policies, slot copies and the decode check."""
 
     def __init__(
         self,
@@ -61,27 +61,29 @@ class Rounds:
         pieces: PieceCache,
         k_max: int,
         rule: Rule,
-        drafts: DraftSource,
+        proposer: Proposer,
         policies: Policies,
         slots: SlotCopies,
         decodes: DecodeCounter,
         observer: RoundObserver | None,
+        background: BackgroundTasks,
     ) -> None:
         self.upstream = upstream
         self.prompt = prompt
         self.pieces = pieces
         self.k_max = k_max
         self.rule = rule
-        self.drafts = drafts
+        self.proposer = proposer
         self.policies = policies
         self.slots = slots
         self.decodes = decodes
         self.observer = observer
+        self.background = background
 
     def plain_run_length(self, loop: LoopState) -> int:
         """Tokens the server should decode alone next (0: a speculative round); never
         in the first round, which prefills the slots."""
-        if not loop.rounds or not self.drafts.available:
+        if not loop.rounds or not self.proposer.available:
             return 0
         return max(0, min(self.policies.plain_run_tokens(), loop.text.remaining()))
 
@@ -90,39 +92,44 @@ class Rounds:
     async def plain_run(self, loop: LoopState, n: int, started: float) -> AsyncIterator[TokenEvent]:
         """The server decodes up to n tokens alone, in one request."""
         loop.awaiting_overlap = None
-        await self.drafts.stop_ahead()  # its line would be stale after the run
+        await self.proposer.stop_ahead()  # its line would be stale after the run
         context = self.prompt + loop.text.tokens
         if self.policies.wants_drafter_speed():
             # the drafter is idle while the server decodes alone: time it now
-            self.drafts.start_timing(context, self.k_max, self.policies.observe_drafter_speed)
+            self.proposer.time_drafter(context, self.k_max, self.policies.observe_drafter_speed)
         sent = time.perf_counter()
         run = await self.rule.plain_run(self.upstream, context, n)
         back = time.perf_counter()
         run_ms = (back - sent) * 1e3
         events = await self._run_events(loop, run)
+        overhead_ms = (time.perf_counter() - sent) * 1e3 - run_ms
+        drafter_busy = self.proposer.busy_since(sent)
+        server_idle_ms = (sent - loop.last_back) * 1e3
+        loop.last_back = back
+        loop.lag += len(run.tokens)
+        self.slots.used([run.id_slot], run.id_slot)
+        for event in events:
+            yield event
+        decodes, prompt_tokens = await self.decodes.round_delta()
         record = RoundRecord(
             n_drafted=0,
             n_accepted=0,
             n_committed=len(events),
             draft_ms=0.0,
             verify_ms=run_ms,
-            overhead_ms=(time.perf_counter() - sent) * 1e3 - run_ms,
+            overhead_ms=overhead_ms,
+            decodes=decodes,
+            prompt_tokens=prompt_tokens,
             plain_run=True,
             draft_ready_ms=(sent - started) * 1e3,
             verify_sent_ms=(sent - started) * 1e3,
             verify_back_ms=(back - started) * 1e3,
+            server_idle_ms=server_idle_ms,
             drafter_idle_ms=run_ms,
+            round_ms=(time.perf_counter() - started) * 1e3,
             n_run_tokens=len(run.tokens),
-            drafter_busy=self.drafts.busy_since(sent),
+            drafter_busy=drafter_busy,
         )
-        record.server_idle_ms = (started + record.verify_sent_ms / 1e3 - loop.last_back) * 1e3
-        loop.last_back = started + record.verify_back_ms / 1e3
-        loop.lag += len(run.tokens)
-        self.slots.used([run.id_slot], run.id_slot)
-        for event in events:
-            yield event
-        record.decodes, record.prompt_tokens = await self.decodes.round_delta()
-        record.round_ms = (time.perf_counter() - started) * 1e3
         self._close_round(loop, record)
         loop.after_run = True
 
@@ -155,7 +162,7 @@ class Rounds:
         # after a round that filled one slot: plain runs come next)
         n_next = len(round_.acceptance.tokens)
         if not round_.plan.one_slot:
-            self.rule.prepare_next(
+            self.proposer.prepare(
                 round_.committed + round_.acceptance.tokens,
                 min(self.k_max, round_.room - n_next - 1),
             )
@@ -175,7 +182,7 @@ class Rounds:
             # it lags by inside the next verify batch
             await self.slots.catch_up(loop.lag, len(self.prompt) + len(loop.text.tokens))
         loop.lag = 0
-        first = not loop.rounds and self.drafts.available
+        first = not loop.rounds and self.proposer.available
         one_slot = self.policies.prefers_plain() or self.policies.measuring_first()
         plan = self.slots.first_round(one_slot) if first else FirstRound()
         room = loop.text.remaining()
@@ -185,7 +192,7 @@ class Rounds:
 
     async def _draft(self, loop: LoopState, round_: _Round) -> None:
         """The round's draft; then, while the server verifies it, maybe drafting ahead."""
-        round_.drafted, round_.dists, round_.draft_ms = await self.rule.draft(
+        round_.drafted, round_.dists, round_.draft_ms = await self.proposer.draft(
             round_.committed, round_.k
         )
         n_drafted = len(round_.drafted.tokens)
@@ -193,9 +200,14 @@ class Rounds:
         round_.copied = await self.slots.warm_for(n_drafted + 1, len(round_.committed))
         round_.verify_start = time.perf_counter()
         if loop.awaiting_overlap is not None:  # the last round's choice, judged
-            self.policies.observe_next_draft(loop.awaiting_overlap, n_drafted, round_.draft_ms)
-            loop.awaiting_overlap = None
-        round_.drafted_ahead = self.rule.draft_ahead(n_drafted)
+            awaiting, loop.awaiting_overlap = loop.awaiting_overlap, None
+            assert loop.rounds[-1] is awaiting  # a plain run in between clears it
+            # the record completed by what this round's draft waited (a new record:
+            # the one the policies and metrics saw is never changed)
+            judged = replace(awaiting, next_drafted=n_drafted, next_draft_ms=round_.draft_ms)
+            loop.rounds[-1] = judged
+            self.policies.observe_next_draft(judged)
+        round_.drafted_ahead = self.proposer.draft_ahead(n_drafted)
 
     async def _verify(self, loop: LoopState, round_: _Round) -> None:
         """One batch of k+1 prompts: the target's token after each draft prefix."""
@@ -205,7 +217,7 @@ class Rounds:
         round_.verify_back = time.perf_counter()
         round_.drafter_idle_ms = round_.verify_ms
         if round_.drafted_ahead:
-            round_.drafter_idle_ms -= self.drafts.busy_ms(round_.verify_start, round_.verify_back)
+            round_.drafter_idle_ms -= self.proposer.busy_ms(round_.verify_start, round_.verify_back)
         if loop.first_round_end is None:
             loop.n_cached = round_.results[0].cached
 
@@ -274,10 +286,7 @@ class Rounds:
         background: the response does not wait for it."""
         if not self.policies.prefers_plain():
             return None
-        task = asyncio.create_task(self.slots.release())
-        _releasing.add(task)
-        task.add_done_callback(_releasing.discard)
-        return task
+        return self.background.start(self.slots.release())
 
     def _close_round(self, loop: LoopState, record: RoundRecord) -> None:
         loop.rounds.append(record)

@@ -12,7 +12,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.server.upstream import UpstreamClient, VerifyResult
+from proxy.data.verify import VerifyResult
+from proxy.server.upstream import UpstreamClient
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from proxy.policies import OverlapMode
-from proxy.server.upstream import SamplingSpec
+from proxy.data.sampling import SamplingSpec
+from proxy.policies import LengthRule, OverlapMode, RunMode, SharedPolicies
 
 if TYPE_CHECKING:
     from proxy.config import ProxySettings
@@ -27,6 +27,7 @@ class EngineSettings:
 
     k: int = 4  # the most drafts a round may verify
     adaptive: bool = True  # greedy: choose each round's length (proxy.policies.draft_length)
+    draft_length: LengthRule = "formula"  # ... by this rule
     # greedy: draft while the server verifies (proxy.policies.overlap decides)
     overlap: OverlapMode = "auto"
     # greedy: start the next round's draft as soon as the verify result is known, behind
@@ -34,6 +35,16 @@ class EngineSettings:
     early_draft: bool = True
     check_decodes: bool = False  # count the server's decodes per round; warn when not one
     strict_decodes: bool = False  # ... and fail the generation instead (implies checking)
+    # speculate or let the server decode alone, measured (proxy.policies.plain_runs); off
+    # unless a proxy's settings say so: the gate learns across the requests it serves
+    plain_runs: RunMode = "off"
+
+    def policies(self) -> SharedPolicies:
+        """Fresh policies for these settings: a proxy builds its shared ones once, a
+        generation given none builds its own."""
+        return SharedPolicies.build(
+            self.k, self.adaptive, self.draft_length, self.overlap, self.plain_runs
+        )
 
     @classmethod
     def from_settings(cls, settings: ProxySettings) -> EngineSettings:
@@ -41,8 +52,10 @@ class EngineSettings:
         return cls(
             k=settings.k,
             adaptive=settings.adaptive_k,
+            draft_length=settings.draft_length,
             overlap=settings.overlap,
             early_draft=settings.early_draft,
             check_decodes=settings.check_decodes,
             strict_decodes=settings.strict_decodes,
+            plain_runs=settings.plain_runs,
         )

@@ -1,9 +1,10 @@
 """The measured choices of the engine, each behind one interface: `decide` before a
 round (how many drafts, whether to draft ahead, whether to let the server decode alone)
-and `observe(record)` with what the round cost (`proxy.engine.records.RoundRecord`).
+and `observe(record)` with what the round cost (`proxy.data.records.RoundRecord`).
 
 The policies are shared by the requests of one proxy (the plain-run gate by the
-requests of one kind); `Policies` bundles the ones a generation asks.
+requests of one kind): `SharedPolicies.build` makes them from the settings, and
+`SharedPolicies.for_request` bundles the ones a generation asks (`Policies`).
 """
 
 from __future__ import annotations
@@ -16,25 +17,17 @@ from proxy.policies.overlap import OverlapMode, OverlapPolicy
 from proxy.policies.plain_runs import PlainRunGate, RunMode
 
 if TYPE_CHECKING:
-    from proxy.engine.records import RoundRecord
+    from proxy.data.records import RoundRecord
+    from proxy.data.sampling import SamplingSpec
 
 
 @dataclass
 class Policies:
+    """The policies one generation asks (`SharedPolicies.for_request`)."""
+
     draft_length: DraftLengthPolicy
     overlap: OverlapPolicy
     plain_runs: PlainRunGate | None = None  # None: always speculate
-
-    @classmethod
-    def fresh(
-        cls,
-        k_max: int,
-        adaptive: bool = True,
-        overlap: OverlapMode = "auto",
-        plain_runs: PlainRunGate | None = None,
-    ) -> Policies:
-        """New policies that nothing was measured for yet (a proxy shares its own)."""
-        return cls(DraftLengthPolicy(k_max, adaptive), OverlapPolicy(overlap), plain_runs)
 
     def plain_run_tokens(self) -> int:
         """Tokens the server should decode alone next; 0: a speculative round."""
@@ -63,12 +56,54 @@ class Policies:
             self.plain_runs.observe(record)
         self.draft_length.observe(record)
 
-    def observe_next_draft(self, record: RoundRecord, n_drafted: int, draft_ms: float) -> None:
-        """The round after `record` has its draft: what that waited judges `record`'s
-        choice to draft ahead (the overlap policy). It must judge before the round's own
-        choice, so it cannot wait for the round's record."""
-        record.next_drafted, record.next_draft_ms = n_drafted, draft_ms
+    def observe_next_draft(self, record: RoundRecord) -> None:
+        """The round after `record` has its draft: what that waited (`next_drafted`,
+        `next_draft_ms`) judges `record`'s choice to draft ahead (the overlap policy). It
+        must judge before the round's own choice, so it cannot wait for the round's
+        record."""
         self.overlap.observe(record)
+
+
+@dataclass
+class SharedPolicies:
+    """The policies the requests of one proxy share, built from its settings
+    (`build`, the only constructor, in production and in tests)."""
+
+    draft_length: DraftLengthPolicy
+    overlap: OverlapPolicy
+    # one plain-run gate per kind of request: a sampling round costs more (the server
+    # sends its distribution back), so the two are measured apart
+    plain_runs: PlainRunGate
+    sampled_plain_runs: PlainRunGate
+
+    @classmethod
+    def build(
+        cls,
+        k_max: int,
+        adaptive: bool = True,
+        draft_length: LengthRule = "formula",
+        overlap: OverlapMode = "auto",
+        plain_runs: RunMode = "off",
+    ) -> SharedPolicies:
+        """Policies that nothing was measured for yet."""
+        return cls(
+            DraftLengthPolicy(k_max, adaptive, draft_length),
+            OverlapPolicy(overlap),
+            PlainRunGate(plain_runs),
+            PlainRunGate(plain_runs, name="unseeded sampling"),
+        )
+
+    def gate_for(self, sampling: SamplingSpec | None) -> PlainRunGate | None:
+        """The plain-run gate for a request. A seeded sampling request always
+        speculates: its draws then depend on its seed alone, not on what the proxy
+        measured before."""
+        if sampling is None:
+            return self.plain_runs
+        return None if sampling.seed is not None else self.sampled_plain_runs
+
+    def for_request(self, sampling: SamplingSpec | None) -> Policies:
+        """What a generation of this kind (greedy, or `sampling`) asks."""
+        return Policies(self.draft_length, self.overlap, self.gate_for(sampling))
 
 
 __all__ = [
@@ -79,4 +114,5 @@ __all__ = [
     "PlainRunGate",
     "Policies",
     "RunMode",
+    "SharedPolicies",
 ]

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 if TYPE_CHECKING:
-    from proxy.engine.records import RoundRecord
+    from proxy.data.records import RoundRecord
 
 # uniform: one length, the k that maximises expected tokens per expected round time
 # (see `round_ms_model`); formula: the same with two lengths where drafting ahead is on,

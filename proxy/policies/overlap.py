@@ -25,7 +25,7 @@ import logging
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from proxy.engine.records import RoundRecord
+    from proxy.data.records import RoundRecord
 
 log = logging.getLogger(__name__)
 

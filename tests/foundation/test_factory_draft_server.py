@@ -17,8 +17,8 @@ from npu_draft.factory.gguf_out import read_tensor_types
 from npu_draft.factory.make import DraftSpec, draft_weights, stored_function_weights
 from npu_draft.factory.weights import random_weights
 from npu_draft.load import load_drafter
-from npu_draft.reference import ReferenceDraftModel
 from npu_draft.tokenizer_check import DrafterManifest
+from tests.support.reference import ReferenceDraftModel
 
 pytestmark = pytest.mark.server
 

@@ -20,7 +20,7 @@ from npu_draft.factory.make import (
 from npu_draft.factory.quant import dequantize, quantize_q4_0, quantize_q8_0
 from npu_draft.factory.shapes import CORE, DRAFT_SHAPES, TARGET_SHAPES, default_draft_shape
 from npu_draft.factory.weights import _query_head_rows, padded_tensors, random_weights
-from npu_draft.reference import Qwen3Config, Qwen3Numpy
+from tests.support.reference import Qwen3Config, Qwen3Numpy
 
 TOKENS = [9707, 11, 847, 829, 374, 1207, 3555, 279, 6722, 315, 9625, 30]
 

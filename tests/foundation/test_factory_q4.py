@@ -22,7 +22,7 @@ from npu_draft.factory.make import _core_weights, stored_function_weights
 from npu_draft.factory.quant import BLOCK_TYPES, quantize_q4_0
 from npu_draft.factory.shapes import CORE, TARGET_SHAPES, ModelShape
 from npu_draft.factory.weights import padded_tensors, random_weights
-from npu_draft.reference import Qwen3Config, Qwen3Numpy
+from tests.support.reference import Qwen3Config, Qwen3Numpy
 
 Q4_0, Q8_0, F32 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
 N_TOKENS = 32

@@ -14,7 +14,7 @@ from npu_draft.factory.weights import (
     random_weights,
     tensor_shapes,
 )
-from npu_draft.reference import Qwen3Config, Qwen3Numpy
+from tests.support.reference import Qwen3Config, Qwen3Numpy
 
 
 def _numpy_model(shape: ModelShape, weights: dict[str, np.ndarray]) -> Qwen3Numpy:

@@ -11,8 +11,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from npu_draft.factory import make_models
-from npu_draft.reference import ReferenceDraftModel
 from proxy.server.llama_server import LlamaServerProcess
+from tests.support.reference import ReferenceDraftModel
 
 pytestmark = pytest.mark.server
 

@@ -73,7 +73,7 @@ DrafterFactory = Callable[[], AsyncDrafter]
 @pytest.fixture(scope="session")
 def reference_drafter(demo_models: Path) -> DrafterFactory:
     """Exact numpy drafter over the `same` draft: every draft token is accepted."""
-    from npu_draft.reference import ReferenceDraftModel
+    from tests.support.reference import ReferenceDraftModel
 
     model = ReferenceDraftModel.from_hf(demo_models / "draft-hf", max_context=CTX + 16)
     return lambda: AsyncSessionDrafter(model.open_session())
@@ -89,7 +89,7 @@ def drafter_for(demo_models: Path, make_models_dir) -> Callable[[str], DrafterFa
             return cache[name]
         kind, _, draft = name.partition(":")
         if kind == "reference":
-            from npu_draft.reference import ReferenceDraftModel
+            from tests.support.reference import ReferenceDraftModel
 
             folder = make_models_dir(draft) if draft and draft != "same" else demo_models
             model = ReferenceDraftModel.from_hf(folder / "draft-hf", max_context=CTX + 16)

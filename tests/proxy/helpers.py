@@ -6,21 +6,27 @@ import contextlib
 import json
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 
 from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP, top2_gap
 from proxy.config import ProxySettings
-from proxy.engine import Generation, GenerationParams, GenerationResult, RoundRecord
+from proxy.engine import EngineSettings, Generation, GenerationParams, GenerationResult, RoundRecord
 from proxy.engine.drafting import AsyncDrafter, DrafterBase, GreedyDraft, StopRule
 from proxy.engine.server_text import PieceCache
+from proxy.policies import PlainRunGate, Policies
 from proxy.server.upstream import UpstreamClient
 
 # Test proxies wait as long as their tests do: no queue bound, no limit on a passed-through
 # answer's silence (the CLI always sets both; tests that check a bound give one).
 _UNBOUNDED_IN_TESTS = {"max_queue": None, "passthrough_read_timeout_s": None}
+
+
+def with_gate(settings: EngineSettings, gate: PlainRunGate) -> Policies:
+    """A greedy generation's policies as `settings` build them, with a scripted gate."""
+    return replace(settings.policies().for_request(None), plain_runs=gate)
 
 
 def proxy_settings(upstream_url: str, k: int, **overrides: Any) -> ProxySettings:
@@ -292,8 +298,8 @@ class RecordingDrafter(DrafterBase):
     async def extend(self, n_max: int, cancel: Any) -> int:
         return await self._inner.extend(n_max, cancel)
 
-    async def propose_sampled(self, committed: Sequence[int], k: int, sampling: Any, rng: Any):
-        return await self._inner.propose_sampled(committed, k, sampling, rng)
+    async def draft_sampled(self, committed: Sequence[int], k: int, sampling: Any, rng: Any):
+        return await self._inner.draft_sampled(committed, k, sampling, rng)
 
     async def propose(self, committed: Sequence[int], k: int) -> list[int]:
         tokens = list(await self._inner.propose(committed, k))

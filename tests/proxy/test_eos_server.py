@@ -54,8 +54,8 @@ async def eos_servers(llama_server_bin: Path, eos_models: Path, tmp_path_factory
 
 
 def _drafter(eos_models: Path):
-    from npu_draft.reference import ReferenceDraftModel
     from proxy.engine import AsyncSessionDrafter
+    from tests.support.reference import ReferenceDraftModel
 
     model = ReferenceDraftModel.from_hf(eos_models / "draft-hf", max_context=CTX + 16)
     return lambda: AsyncSessionDrafter(model.open_session())

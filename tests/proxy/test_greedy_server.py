@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from proxy.engine import EngineSettings, GenerationParams, SlotReplicator
-from proxy.policies import Policies
 from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import (
@@ -306,7 +305,7 @@ async def test_rounds_longer_than_the_copies_copy_before_verifying(
     and later rounds verify k + 1 prompts: the missing slots are copied before the
     batch, so no prompt of it prefills the whole context; output unchanged."""
     k = 3
-    policies = Policies.fresh(k, adaptive=False)
+    policies = EngineSettings(k=k, adaptive=False).policies().for_request(None)
     policies.draft_length.slots_to_copy = lambda: 1  # type: ignore[method-assign]
     _prompt, result = await generate_with_copies(
         http, ref_server, spec_server, reference_drafter(), PROMPTS[1], k, 12,

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from npu_draft.protocol import GREEDY, CancelToken, Draft, SamplingParams, SyncStats
-from proxy.engine import RoundRecord
-from proxy.engine.drafting import AsyncSessionDrafter, always
+from proxy.engine import EngineSettings, RoundRecord
+from proxy.engine.background import BackgroundTasks
+from proxy.engine.drafting import AsyncSessionDrafter, GreedyDraft, always
+from proxy.engine.proposer import Proposer
 from proxy.policies import DraftLengthPolicy, OverlapPolicy
 
 
@@ -559,18 +561,25 @@ async def test_a_round_without_drafts_ready_drafts_at_most_k_fresh():
         await drafter.close()
 
 
-async def test_the_guarded_drafter_passes_k_fresh_on():
-    """The proxy wraps every session (proxy.drafter_guard): the wrapper must take the
-    fresh-length argument, or the first round using it would drop the drafter."""
+async def test_the_guard_passes_k_fresh_on():
+    """The proxy bounds every drafter call (proxy.drafter_guard): a draft with the
+    fresh-length argument must pass the guard, or the first round using it would drop
+    the drafter."""
     from proxy.drafter_guard import DrafterSupervisor
 
     supervisor = DrafterSupervisor(lambda: AsyncSessionDrafter(CountingSession()))
     drafter = await supervisor.open()
     assert drafter is not None
+
+    def tokens(draft: GreedyDraft) -> list[int]:
+        return draft.tokens
+
     try:
-        draft = await drafter.draft([1, 2, 3], 4, always, 1)
+        call = drafter.draft([1, 2, 3], 4, always, 1)
+        draft = await supervisor.bounded(call, 4, tokens)
         assert draft.tokens == expected_draft([1, 2, 3], 1)
-        assert (await drafter.draft([5, 6], 3, always)).tokens == expected_draft([5, 6], 3)
+        call = drafter.draft([5, 6], 3, always)
+        assert (await supervisor.bounded(call, 3, tokens)).tokens == expected_draft([5, 6], 3)
         assert supervisor.failures == 0
     finally:
         await drafter.close()
@@ -698,19 +707,24 @@ class SlowSyncSession(CountingSession):
         self.closed = True
 
 
+def _proposer(drafter: AsyncSessionDrafter | None, tasks: BackgroundTasks) -> Proposer:
+    """A greedy generation's proposer that drafts every position (fixed length 4)."""
+    policies = EngineSettings(k=4, adaptive=False).policies().for_request(None)
+    return Proposer(drafter, policies, background=tasks)
+
+
 async def test_a_timing_draft_reports_even_after_its_generation_ended_without_holding_it():
     """The drafter's speed reaches the gate when its timing draft is done, also where the
     generation ended first; ending the generation does not wait for the drafter."""
     import time
 
-    from proxy.engine.draft_source import DraftSource
-
+    tasks = BackgroundTasks()  # the proxy's, shared by its generations
     session = SlowSyncSession(sync_s=0.4)
-    source = DraftSource(AsyncSessionDrafter(session), always)
+    source = _proposer(AsyncSessionDrafter(session), tasks)
     reported: list[float] = []
     before = time.perf_counter()
     assert not source.busy_since(before)
-    source.start_timing(list(range(50)), 4, reported.append)
+    source.time_drafter(list(range(50)), 4, reported.append)
     await asyncio.sleep(0.05)  # the plain runs of a short answer
     assert source.busy_since(time.perf_counter())  # a plain run now is no plain speed
     started = time.perf_counter()
@@ -718,28 +732,24 @@ async def test_a_timing_draft_reports_even_after_its_generation_ended_without_ho
     assert time.perf_counter() - started < 0.2  # the response is not held
     assert not reported and not session.closed
     # the next generation's plain runs: the closing session still works beside them
-    assert DraftSource(None, always).busy_since(time.perf_counter())
+    assert _proposer(None, tasks).busy_since(time.perf_counter())
     for _ in range(100):
         if session.closed:
             break
         await asyncio.sleep(0.02)
     assert len(reported) == 1 and reported[0] >= 0.0  # ms per drafted token
     assert session.closed  # and the session was closed after it
-    from proxy.engine.draft_source import _closing
-
-    await asyncio.wait_for(asyncio.gather(*_closing), 5)  # the closing task's own end
+    await asyncio.wait_for(tasks.wait(), 5)  # the closing task's own end
     assert source.busy_since(before) and not source.busy_since(time.perf_counter())
-    assert not DraftSource(None, always).busy_since(time.perf_counter())
+    assert not _proposer(None, tasks).busy_since(time.perf_counter())
 
 
 async def test_a_draft_waits_for_the_timing_draft_and_reuses_its_line():
-    from proxy.engine.draft_source import DraftSource
-
     session = CountingSession()
-    source = DraftSource(AsyncSessionDrafter(session), always)
+    source = _proposer(AsyncSessionDrafter(session), BackgroundTasks())
     reported: list[float] = []
     committed = list(range(20))
-    source.start_timing(committed, 3, reported.append)
+    source.time_drafter(committed, 3, reported.append)
     draft, _dists, _ms = await source.draft(committed, 3)
     assert draft.tokens == expected_draft(committed, 3)
     assert draft.reused == 3 and session.computed == 3  # the timing draft's tokens

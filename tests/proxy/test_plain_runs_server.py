@@ -9,11 +9,11 @@ from collections.abc import Collection
 import pytest
 
 from proxy.engine import EngineSettings, GenerationParams, RoundRecord, SlotReplicator
-from proxy.policies import PlainRunGate, Policies
+from proxy.policies import PlainRunGate
 from proxy.policies.plain_runs import PASS_REQUESTS
 from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import run_proxy
-from tests.proxy.helpers import assert_greedy_equal, generate, post_json, tokenize
+from tests.proxy.helpers import assert_greedy_equal, generate, post_json, tokenize, with_gate
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -39,7 +39,7 @@ async def test_plain_runs_are_the_servers_own_greedy_tokens(
         tokens, result = await generate(
             upstream, prompt, GenerationParams(n_predict=n_predict), reference_drafter(),
             settings=EngineSettings(k=3, check_decodes=True),
-            policies=Policies.fresh(3, plain_runs=AlwaysRun("auto", run_tokens=5)),
+            policies=with_gate(EngineSettings(k=3), AlwaysRun("auto", run_tokens=5)),
         )  # fmt: skip
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     assert len(tokens) == n_predict
@@ -77,7 +77,7 @@ async def test_gate_picks_plain_runs_when_drafts_are_never_accepted(
         assert plain_n == proxy.state.metrics.plain_run_tokens > len(got["tokens"]) // 2
         switches = [r.getMessage() for r in caplog.records if "ms/token" in r.getMessage()]
         assert len(switches) == 1 and switches[0].endswith("plain runs"), switches
-        gate = proxy.state.plain_run_gate.snapshot()
+        gate = proxy.state.policies.plain_runs.snapshot()
         assert proxy.state.metrics.plain_runs > 0
         assert gate["plain_chosen"], gate
         # either the drafter, timed beside the first plain run, was too slow to win
@@ -140,7 +140,7 @@ async def test_no_slot_copies_for_a_request_that_starts_in_plain_runs(
         tokens, result = await generate(
             upstream, prompt, GenerationParams(n_predict=20), reference_drafter(),
             settings=EngineSettings(k=3), replicator=replicator,
-            policies=Policies.fresh(3, plain_runs=gate),
+            policies=with_gate(EngineSettings(k=3), gate),
         )  # fmt: skip
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     first = result.rounds[0]
@@ -151,7 +151,8 @@ async def test_no_slot_copies_for_a_request_that_starts_in_plain_runs(
 
 async def test_sampling_plain_run_is_the_servers_own_draw_with_the_request_chain(spec_server, http):
     from npu_draft.protocol import SamplingParams
-    from proxy.server.upstream import SAMPLING_CHAIN, SamplingSpec
+    from proxy.data.sampling import SamplingSpec
+    from proxy.server.upstream import SAMPLING_CHAIN
 
     chain = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02)
     spec = SamplingSpec(chain=chain, min_keep=0, seed=None)
@@ -182,8 +183,8 @@ async def test_unseeded_sampling_switches_to_plain_runs_seeded_never_does(spec_s
         assert status == 200, got
         assert len(got["tokens"]) == 80
         assert proxy.state.metrics.plain_runs > 0
-        assert proxy.state.sampled_run_gate.prefers_plain()
-        assert not proxy.state.plain_run_gate.prefers_plain()  # greedy measured apart
+        assert proxy.state.policies.sampled_plain_runs.prefers_plain()
+        assert not proxy.state.policies.plain_runs.prefers_plain()  # greedy measured apart
 
 
 class RunsThenSpeculate(PlainRunGate):
@@ -218,7 +219,7 @@ async def test_speculating_after_plain_runs_copies_the_slot_that_holds_the_conte
         tokens, result = await generate(
             upstream, prompt, GenerationParams(n_predict=40), reference_drafter(),
             settings=EngineSettings(k=3, check_decodes=True), replicator=replicator,
-            policies=Policies.fresh(3, plain_runs=RunsThenSpeculate(2, 8)),
+            policies=with_gate(EngineSettings(k=3), RunsThenSpeculate(2, 8)),
         )  # fmt: skip
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     first, runs, after = result.rounds[0], result.rounds[1:3], result.rounds[3]
@@ -255,7 +256,7 @@ async def test_slots_are_emptied_but_the_context_one_once_plain_decoding_is_chos
         for slot in await upstream.slots():  # a clean start: other tests' leftovers
             await upstream.slot_action(slot["id"], "erase", "")
         gate = SpeculateThenChoosePlain("auto")
-        policies = Policies.fresh(3, plain_runs=gate)
+        policies = with_gate(EngineSettings(k=3), gate)
         replicator = CountingReplicator(upstream)
         generation = generate(
             upstream, prompt, GenerationParams(n_predict=24), reference_drafter(),

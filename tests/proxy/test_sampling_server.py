@@ -39,10 +39,11 @@ import pytest
 from npu_draft.protocol import Draft, SamplingParams, SparseDist
 from npu_draft.sampling import sampling_distribution
 from proxy.api.requests import parse_completion
+from proxy.data.sampling import SamplingSpec
 from proxy.engine import AsyncSessionDrafter, EngineSettings, Generation, GenerationParams
 from proxy.engine.drafting import DrafterBase
 from proxy.engine.server_text import PieceCache
-from proxy.server.upstream import SamplingSpec, UpstreamClient
+from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import post_json, tokenize
 from tests.proxy.sampling_stats import chi_square_gof
@@ -77,9 +78,9 @@ class FixedQDrafter(DrafterBase):
         self.q = q
 
     async def propose(self, committed, k):
-        raise AssertionError("sampling requests must draft through propose_sampled")
+        raise AssertionError("sampling requests must draft through draft_sampled")
 
-    async def propose_sampled(self, committed, k, sampling, rng) -> Draft:
+    async def draft_sampled(self, committed, k, sampling, rng) -> Draft:
         assert list(committed) == self.prompt and k == 1  # n_predict 2: one draft, first round
         index = int(rng.choice(len(self.q.ids), p=self.q.probs))
         return Draft([int(self.q.ids[index])], [float(self.q.probs[index])], [self.q])
@@ -89,7 +90,7 @@ class FixedQDrafter(DrafterBase):
 
 
 def draft_q(folder: Path, prompt: list[int], chain: SamplingParams) -> SparseDist:
-    from npu_draft.reference import ReferenceDraftModel
+    from tests.support.reference import ReferenceDraftModel
 
     session = ReferenceDraftModel.from_hf(folder / "draft-hf", max_context=CTX).open_session()
     session.sync(prompt)

@@ -8,17 +8,13 @@ import pytest
 
 from npu_draft.protocol import Draft, SparseDist
 from proxy.api.requests import NotEligible, parse_chat, parse_completion
+from proxy.data.sampling import MAX_VERIFY_TOP_K, SamplingSpec
+from proxy.data.verify import VerifyResult
 from proxy.engine import EngineSettings, Generation, GenerationParams, verdict_of
 from proxy.engine.drafting import DrafterBase
 from proxy.engine.server_text import PieceCache
 from proxy.metrics import ProxyMetrics
-from proxy.server.upstream import (
-    MAX_VERIFY_TOP_K,
-    SamplingSpec,
-    VerifyResult,
-    parse_candidates,
-    sampling_verify_params,
-)
+from proxy.server.upstream import parse_candidates, sampling_verify_params
 
 # llama-server b11434's own defaults, as /props reports them
 DEFAULTS = {
@@ -179,7 +175,7 @@ class FixedDrafter(DrafterBase):
     async def propose(self, committed, k):
         raise AssertionError
 
-    async def propose_sampled(self, committed, k, sampling, rng):
+    async def draft_sampled(self, committed, k, sampling, rng):
         tokens = [int(rng.choice([20, 21])) for _ in range(k)]
         return Draft(tokens, [0.5] * k, [self.q] * k)
 
@@ -239,7 +235,7 @@ async def test_guarded_drafter_samples_and_checks_ids():
     from proxy.drafter_guard import DrafterGarbage, DrafterSupervisor
 
     class Garbage(FixedDrafter):
-        async def propose_sampled(self, committed, k, sampling, rng):
+        async def draft_sampled(self, committed, k, sampling, rng):
             return Draft([10**9], [1.0], [self.q])
 
     class GreedyOnly(DrafterBase):
@@ -250,13 +246,20 @@ async def test_guarded_drafter_samples_and_checks_ids():
             pass
 
     rng = np.random.default_rng(0)
+
+    async def guarded_sample(supervisor: DrafterSupervisor, k: int) -> Draft:
+        drafter = await supervisor.open()
+        assert drafter is not None
+        call = drafter.draft_sampled([1], k, None, rng)  # type: ignore[arg-type]
+        return await supervisor.bounded(call, k, lambda d: d.tokens)
+
     supervisor = DrafterSupervisor(FixedDrafter, n_vocab=100)
-    draft = await (await supervisor.open()).propose_sampled([1], 2, None, rng)
+    draft = await guarded_sample(supervisor, 2)
     assert len(draft.tokens) == 2 and draft.dists[0] is not None
     supervisor = DrafterSupervisor(GreedyOnly, n_vocab=100)
-    draft = await (await supervisor.open()).propose_sampled([1], 2, None, rng)
+    draft = await guarded_sample(supervisor, 2)
     assert draft.tokens == [3, 3] and draft.dists is None  # no q: the point-mass rule
     supervisor = DrafterSupervisor(Garbage, n_vocab=100)
     with pytest.raises(DrafterGarbage):
-        await (await supervisor.open()).propose_sampled([1], 1, None, rng)
+        await guarded_sample(supervisor, 1)
     assert supervisor.failures == 1

@@ -10,6 +10,7 @@ import pytest
 from proxy.api.requests import NotEligible, parse_chat, parse_completion, parse_prompt
 from proxy.api.shapes import split_reasoning, thinking_prefix
 from proxy.config import ProxySettings, load_settings
+from proxy.data.verify import VerifyResult
 from proxy.engine import EngineSettings, Generation, GenerationParams
 from proxy.engine.acceptance import greedy_accept
 from proxy.engine.drafting import DrafterBase
@@ -22,7 +23,7 @@ from proxy.engine.server_text import (
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SchedulerBusy, SlotScheduler
 from proxy.server.managed import ServerLayout, verification_flags
-from proxy.server.upstream import VerifyResult, parse_prometheus
+from proxy.server.upstream import parse_prometheus
 
 # -- acceptance ----------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api import ProxyState, create_app
 from proxy.drafter_guard import DrafterSupervisor
+from proxy.engine import EngineSettings
 from proxy.engine.drafting import DrafterBase
+from proxy.engine.proposer import Proposer
 from proxy.metrics import ProxyMetrics
 from proxy.scheduler import SlotScheduler
 from proxy.serve_cmd import redact_url
@@ -97,6 +99,11 @@ class Session(DrafterBase):
         self.closed = True
 
 
+def _proposer(drafter: DrafterBase, supervisor: DrafterSupervisor) -> Proposer:
+    """A generation's proposer for a session of `supervisor` (which it closes)."""
+    return Proposer(drafter, EngineSettings().policies().for_request(None), guard=supervisor)
+
+
 async def test_drafter_supervisor_recreates_after_a_failure():
     sessions: list[Session] = []
     reloads: list[int] = []
@@ -113,14 +120,15 @@ async def test_drafter_supervisor_recreates_after_a_failure():
     first = await supervisor.open()
     assert first is not None and supervisor.sessions_open == 1
     with pytest.raises(RuntimeError):
-        await first.propose([1, 2], 3)
-    await first.close()
-    await first.close()  # closing twice counts once
+        await supervisor.bounded(first.propose([1, 2], 3), 3, list)
+    proposer = _proposer(first, supervisor)
+    await proposer.close()
+    await proposer.close()  # closing twice counts once
     assert supervisor.sessions_open == 0 and supervisor.failures == 1
     second = await supervisor.open()
     assert second is not None and reloads == [1] and supervisor.recreations == 1
-    assert await second.propose([1], 2) == [1, 1]
-    await second.close()
+    assert await supervisor.bounded(second.propose([1], 2), 2, list) == [1, 1]
+    await _proposer(second, supervisor).close()
     assert all(s.closed for s in sessions)
 
 
@@ -129,8 +137,8 @@ async def test_drafter_supervisor_bounds_time_and_checks_ids():
     session = await supervisor.open()
     assert session is not None
     with pytest.raises(Exception, match="took over"):
-        await session.propose([1], 2)
-    await session.close()
+        await supervisor.bounded(session.propose([1], 2), 2, list)
+    await _proposer(session, supervisor).close()
 
     class Garbage(Session):
         async def propose(self, committed, k):
@@ -140,8 +148,8 @@ async def test_drafter_supervisor_bounds_time_and_checks_ids():
     session = await supervisor.open()
     assert session is not None
     with pytest.raises(Exception, match="outside"):
-        await session.propose([1], 2)
-    await session.close()
+        await supervisor.bounded(session.propose([1], 2), 2, list)
+    await _proposer(session, supervisor).close()
     assert supervisor.failures == 1 and supervisor.sessions_open == 0
 
 

@@ -1,4 +1,4 @@
-"""The drafter contract: `AsyncDrafter` names every call the engine and the guard make,
+"""The drafter contract: `AsyncDrafter` names every call the proposer makes,
 `DrafterBase` answers the ones a propose-only backend leaves out, and every drafter
 the proxy builds offers them all."""
 
@@ -9,10 +9,12 @@ import inspect
 import pytest
 
 from npu_draft.protocol import CancelToken
-from proxy.drafter_guard import DrafterSupervisor, GuardedDrafter
+from proxy.drafter_guard import DrafterSupervisor
+from proxy.engine import EngineSettings
 from proxy.engine.drafting import AsyncDrafter, AsyncSessionDrafter, DrafterBase, always
+from proxy.engine.proposer import Proposer
 
-CALLS = ("propose", "draft", "extend", "propose_sampled", "close")
+CALLS = ("draft", "extend", "draft_sampled", "close")
 FLAGS = ("early_draft", "draft_ahead")
 
 
@@ -34,7 +36,7 @@ def test_the_protocol_declares_every_call_and_flag() -> None:
     assert set(AsyncDrafter.__annotations__) >= set(FLAGS)
 
 
-@pytest.mark.parametrize("cls", [DrafterBase, AsyncSessionDrafter, GuardedDrafter])
+@pytest.mark.parametrize("cls", [DrafterBase, AsyncSessionDrafter])
 def test_every_drafter_offers_the_whole_contract(cls: type) -> None:
     for name in CALLS:
         assert inspect.iscoroutinefunction(getattr(cls, name)), f"{cls.__name__}.{name}"
@@ -60,16 +62,23 @@ async def test_defaults_of_a_propose_only_backend() -> None:
     assert draft.tokens == [100, 101]
     assert drafter.asked == [(2, 4), (3, 2)]
     assert await drafter.extend(3, CancelToken()) == 0
-    sampled = await drafter.propose_sampled([1], 3, None, None)  # type: ignore[arg-type]
+    sampled = await drafter.draft_sampled([1], 3, None, None)  # type: ignore[arg-type]
     assert sampled.tokens == [100, 101, 102] and sampled.dists is None  # no q: point mass
 
 
 async def test_the_guard_answers_for_a_propose_only_backend() -> None:
     supervisor = DrafterSupervisor(Counting, n_vocab=1000)
-    guarded = await supervisor.open()
-    assert guarded is not None and guarded.early_draft and guarded.draft_ahead
-    assert (await guarded.draft([1], 3, always, 1)).tokens == [100]
-    assert await guarded.extend(2, CancelToken()) == 0
-    assert (await guarded.propose_sampled([1], 2, None, None)).tokens == [100, 101]
-    await guarded.close()
+    drafter = await supervisor.open()
+    # the engine plans on the backend's own flags: no early drafts, nothing ahead
+    assert drafter is not None and not drafter.early_draft and not drafter.draft_ahead
+
+    def tokens(draft):
+        return draft.tokens
+
+    assert (await supervisor.bounded(drafter.draft([1], 3, always, 1), 3, tokens)).tokens == [100]
+    assert await supervisor.bounded(drafter.extend(2, CancelToken()), 2, lambda _n: []) == 0
+    sampled = drafter.draft_sampled([1], 2, None, None)  # type: ignore[arg-type]
+    assert (await supervisor.bounded(sampled, 2, tokens)).tokens == [100, 101]
+    policies = EngineSettings().policies().for_request(None)
+    await Proposer(drafter, policies, guard=supervisor).close()
     assert supervisor.failures == 0 and supervisor.sessions_open == 0

@@ -64,3 +64,13 @@ def test_oracle_folder_loads_the_oracle(tmp_path: Path) -> None:
     assert session.propose(3).tokens == [4, 5, 6]
     with pytest.raises(TokenizerMismatch, match="vocabulary size 151936 vs 32000"):
         load_drafter(tmp_path, target=TokenizerFacts("llama-target", 32_000))
+
+
+def test_a_model_folder_is_a_model_whatever_else_it_holds(tmp_path: Path) -> None:
+    """The oracle (a benchmark stand-in) is looked for only where no real model is."""
+    from npu_draft.oracle import OracleConfig, write_oracle_folder
+
+    write_oracle_folder(tmp_path, [([1, 2, 3], [4, 5, 6])], OracleConfig(acceptance=1.0))
+    (tmp_path / "genai_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="does not record which tokenizer"):
+        load_drafter(tmp_path, target=TokenizerFacts("qwen-target", 151_936))

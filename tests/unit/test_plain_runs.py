@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -308,8 +309,7 @@ def test_plain_runs_beside_the_drafters_background_work_are_no_plain_speed():
     n = gate.run_tokens
     for _ in range(3):  # the drafter still takes in the context
         assert gate.measuring_first() and gate.decide() == n
-        busy = plain_run(n * 150.0, n)
-        busy.drafter_busy = True
+        busy = replace(plain_run(n * 150.0, n), drafter_busy=True)  # records are frozen
         gate.observe(busy)
     gate.observe_drafter(12.0)  # its speed arrives: not enough to rule it out at 150 ms
     assert gate.measuring_first() and gate.decide() == n  # still no plain speed

@@ -5,6 +5,7 @@ this arithmetic only runs there on GPU backends: it is checked here, without a s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -55,7 +56,7 @@ def test_plain_runs_only_move_the_start() -> None:
     records = rounds_of((4, 4, 5), (0, 0, 16), (4, 1, 2))
     if not hasattr(records[1], "plain_run"):
         pytest.skip("this RoundRecord has no plain runs")
-    records[1].plain_run = True
+    records[1] = replace(records[1], plain_run=True)  # records are frozen
     assert rejections(records, 23) == [Rejection(2, 21, 1, 22, True)]
 
 

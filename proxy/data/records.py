@@ -1,4 +1,5 @@
-"""What a generation reports: one record per round, its result, and the metrics sink."""
+"""What a generation reports: one frozen record per round, its frozen result, and the
+metrics sink."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundRecord:
     n_drafted: int
     n_accepted: int
@@ -61,7 +62,7 @@ class RoundRecord:
     next_draft_ms: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationResult:
     tokens: list[int]
     content: bytes
