@@ -12,8 +12,18 @@ so a run is repeatable and a position drafted twice gets the same verdict. Per
 position the verdicts are independent Bernoulli(acceptance) draws, which is exactly
 the i.i.d. acceptance the cost model (proxy/bench/costmodel.py) assumes.
 
-Off the reference path (a prompt it does not know, or a committed sequence that left
-the recorded continuation) it proposes nothing: the proxy then decodes plainly. Its
+A reference may carry branches: where the target's top-2 were a near-tie, the greedy
+continuation after the runner-up, recorded by the bench (proxy.bench.branches). A GPU
+target can flip such a tie when the batch shape changes; when the committed sequence
+takes a branch's runner-up at its position, the oracle follows that branch, so a flip
+does not leave it without drafts for the rest of the answer. Past a branch point the
+verdicts are salted by the branch, so they stay a pure function of (seed, reference,
+branch, position). Up to the branch point a branch is its reference: the oracle drafts
+the reference's token there, as the plain run wrote it.
+
+Off every recorded path (a prompt it does not know, or a committed sequence that left
+the recorded continuation and its branches) it proposes nothing: the proxy then decodes
+plainly (the engine counts such rounds: npu_spec_empty_draft_rounds_total). Its
 own drafts may leave the path (a corrupted token): it drafts on after them, as a real
 drafter does, so a round verifies as many drafts as it asked for (the drafts after a
 wrong one cannot be accepted, whatever they are).
@@ -25,7 +35,10 @@ with the proxy and the server, as an NPU does.
 Folder form (loaded by `OracleDraftModel.from_folder`): `oracle.json` holding
 
     {"acceptance": 0.8, "delay_ms": 11.0, "seed": 0, "vocab_size": 151936,
-     "references": [[[prompt tokens...], [continuation tokens...]], ...]}
+     "references": [[[prompt tokens...], [continuation tokens...],
+                     [[position, runner-up token, [continuation after it...]], ...]], ...]}
+
+where the third item (the branches) is optional (older folders have none).
 """
 
 from __future__ import annotations
@@ -72,17 +85,52 @@ def _fingerprint(tokens: Sequence[int]) -> int:
 
 
 @dataclass(frozen=True)
+class Branch:
+    """The target's greedy continuation after taking the runner-up at a near-tie."""
+
+    position: int  # index into the reference's continuation where the runner-up is taken
+    token: int  # the runner-up
+    continuation: tuple[int, ...]  # the greedy output after it
+
+
+NO_FORK = 1 << 62  # a reference's own path: never salted
+# (prompt, continuation) or (prompt, continuation, branches)
+RecordedReference = (
+    tuple[Sequence[int], Sequence[int]] | tuple[Sequence[int], Sequence[int], Sequence[Branch]]
+)
+
+
+@dataclass(frozen=True)
 class Reference:
+    """One recorded path: a reference's continuation, or one of its branches (then
+    `continuation` is the reference's up to `fork`, the runner-up, and the branch's)."""
+
     prompt: tuple[int, ...]
     continuation: tuple[int, ...]
     full: list[int]  # prompt + continuation, for prefix comparisons at C speed
     key: int  # _fingerprint(prompt), salts the corruption hash
+    fork: int = NO_FORK  # a branch: where it leaves its reference
+    salt: int = 0  # a branch: salts the verdicts from `fork` on
+    branches: tuple[Reference, ...] = ()  # a reference: its branches' paths
 
     @classmethod
-    def of(cls, prompt: Sequence[int], continuation: Sequence[int]) -> Reference:
+    def of(
+        cls, prompt: Sequence[int], continuation: Sequence[int], branches: Sequence[Branch] = ()
+    ) -> Reference:
         p = tuple(int(t) for t in prompt)
         c = tuple(int(t) for t in continuation)
-        return cls(p, c, [*p, *c], _fingerprint(p))
+        key = _fingerprint(p)
+        paths = []
+        for b in branches:
+            if not 0 <= b.position < len(c) or b.token == c[b.position]:
+                raise ValueError(f"branch at {b.position} (token {b.token}) leaves no path")
+            path = (*c[: b.position], int(b.token), *map(int, b.continuation))
+            salt = _mix64(_mix64(b.position) ^ (int(b.token) & _MASK64))
+            paths.append(cls(p, path, [*p, *path], key, b.position, salt))
+        return cls(p, c, [*p, *c], key, branches=tuple(paths))
+
+    def key_at(self, position: int) -> int:
+        return self.key ^ self.salt if position >= self.fork else self.key
 
     def matched(self, tokens: list[int], start: int = 0) -> int:
         """Length of the common prefix of `tokens` and this reference, given that the
@@ -96,6 +144,9 @@ class Reference:
         """Index into the continuation after `tokens` (of which `on_path` lie on this
         reference); None when off the path."""
         if on_path != len(tokens) or len(tokens) < len(self.prompt):
+            return None
+        if self.fork != NO_FORK and len(tokens) <= len(self.prompt) + self.fork:
+            # a branch not yet taken: its reference drafts there
             return None
         return len(tokens) - len(self.prompt)
 
@@ -119,7 +170,7 @@ class OracleConfig:
 def drafted_token(config: OracleConfig, ref: Reference, position: int) -> int:
     """What the oracle proposes at `position` of `ref`'s continuation."""
     true_token = ref.continuation[position]
-    h = _mix64(_mix64(config.seed & _MASK64) ^ ref.key ^ _mix64(position))
+    h = _mix64(_mix64(config.seed & _MASK64) ^ ref.key_at(position) ^ _mix64(position))
     uniform = (h >> 11) / float(1 << 53)
     if uniform < config.acceptance:
         return true_token
@@ -163,13 +214,19 @@ class OracleDraftSession:
                 # committed sequence): drafting on after its own wrong draft
                 return self._ref, len(self._tokens) - len(self._ref.prompt)
         for ref in self._model.references:
-            if ref is self._ref:
-                continue
             on_path = ref.matched(self._tokens)
-            position = ref.position(self._tokens, on_path)
-            if position is not None:
-                self._ref, self._on_path = ref, on_path
-                return ref, position
+            if on_path < len(ref.prompt):
+                continue  # another prompt: neither it nor its branches
+            # the reference first: before a branch point it owns the sequence
+            for path in (ref, *ref.branches):
+                if path is self._ref:
+                    continue
+                shared = min(on_path, len(ref.prompt) + path.fork)  # the prefix it shares
+                n = on_path if path is ref else path.matched(self._tokens, shared)
+                position = path.position(self._tokens, n)
+                if position is not None:
+                    self._ref, self._on_path = path, n
+                    return path, position
         return None
 
     def propose(
@@ -219,12 +276,13 @@ class OracleDraftSession:
 class OracleDraftModel:
     def __init__(
         self,
-        references: Sequence[tuple[Sequence[int], Sequence[int]]],
+        references: Sequence[RecordedReference],
         config: OracleConfig | None = None,
         name: str = "oracle",
     ) -> None:
         self.config = config = config or OracleConfig()
-        self.references = [Reference.of(prompt, cont) for prompt, cont in references]
+        # its branches hang off each reference (Reference.branches)
+        self.references = [Reference.of(*entry) for entry in references]
         self.info = DrafterInfo(
             name=name,
             backend="oracle",
@@ -247,7 +305,12 @@ class OracleDraftModel:
             seed=int(data.get("seed", 0)),
             vocab_size=int(data.get("vocab_size", QWEN_VOCAB)),
         )
-        references = [(pair[0], pair[1]) for pair in data.get("references", [])]
+        references = [
+            (entry[0], entry[1], [Branch(int(b[0]), int(b[1]), tuple(b[2])) for b in entry[2]])
+            if len(entry) > 2
+            else (entry[0], entry[1])
+            for entry in data.get("references", [])
+        ]
         return cls(references, config, name)
 
     def open_session(self) -> OracleDraftSession:
@@ -263,10 +326,11 @@ def is_oracle_folder(path: str | Path) -> bool:
 
 def write_oracle_folder(
     folder: str | Path,
-    references: Sequence[tuple[Sequence[int], Sequence[int]]],
+    references: Sequence[RecordedReference],
     config: OracleConfig,
 ) -> Path:
-    """Write `oracle.json` (creating the folder); returns the folder."""
+    """Write `oracle.json` (creating the folder); returns the folder. Each reference is
+    (prompt, continuation) or (prompt, continuation, branches)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     data = {
@@ -274,7 +338,16 @@ def write_oracle_folder(
         "delay_ms": config.delay_ms,
         "seed": config.seed,
         "vocab_size": config.vocab_size,
-        "references": [[list(map(int, p)), list(map(int, c))] for p, c in references],
+        "references": [_entry(*reference) for reference in references],
     }
     (folder / ORACLE_FILE).write_text(json.dumps(data))
     return folder
+
+
+def _entry(
+    prompt: Sequence[int], continuation: Sequence[int], branches: Sequence[Branch] = ()
+) -> list[Any]:
+    entry: list[Any] = [list(map(int, prompt)), list(map(int, continuation))]
+    if branches:  # without branches: the old two-item form
+        entry.append([[b.position, b.token, list(map(int, b.continuation))] for b in branches])
+    return entry

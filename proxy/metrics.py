@@ -49,6 +49,7 @@ class ProxyMetrics:
 
     def __init__(self) -> None:
         self.rounds = 0
+        self.empty_draft_rounds = 0  # verify rounds the drafter proposed nothing for
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.reused_tokens = 0  # drafts that were ready from drafting ahead
@@ -80,6 +81,7 @@ class ProxyMetrics:
             self.plain_run_tokens += record.n_committed
             return
         self.rounds += 1
+        self.empty_draft_rounds += record.n_drafted == 0
         self.draft_tokens += record.n_drafted
         self.accepted_tokens += record.n_accepted
         self.reused_tokens += record.n_reused
@@ -144,6 +146,12 @@ class ProxyMetrics:
 # (metric, help text, ProxyMetrics attribute), in the order /metrics shows them
 COUNTERS = (
     ("npu_spec_rounds_total", "Draft/verify rounds (plain runs not counted)", "rounds"),
+    (
+        "npu_spec_empty_draft_rounds_total",
+        "Verify rounds without a draft token (the drafter proposed nothing; for the bench's "
+        "oracle: off every recorded path)",
+        "empty_draft_rounds",
+    ),
     ("npu_spec_draft_tokens_total", "Tokens proposed by the drafter", "draft_tokens"),
     ("npu_spec_accepted_tokens_total", "Draft tokens the target agreed with", "accepted_tokens"),
     (

@@ -10,7 +10,9 @@ import shlex
 import tempfile
 from pathlib import Path
 
+from proxy.bench.branches import DEFAULT_BRANCHES
 from proxy.bench.modes import MODE_KINDS
+from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP
 from proxy.bench.options import comma_choices, context_list, float_list, int_list, parse_variant
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ceiling-repeats", type=int, default=8, help="timed rounds per k for t_v(k)"
     )
     parser.add_argument("--oracle-seed", type=int, default=0, help="oracle drafter's random seed")
+    parser.add_argument(
+        "--oracle-branches",
+        type=int,
+        default=DEFAULT_BRANCHES,
+        metavar="N",
+        help="per reference, record the target's greedy continuation after the runner-up at "
+        "its N closest near-ties (top-2 logit gap under --branch-margin), so the oracle "
+        "follows a flipped tie; one plain request each, before any measurement (0: none)",
+    )
+    parser.add_argument(
+        "--branch-margin",
+        type=float,
+        default=NEAR_TIE_LOGIT_GAP,
+        metavar="GAP",
+        help="top-2 logit gap under which a position counts as a near-tie for "
+        f"--oracle-branches (default {NEAR_TIE_LOGIT_GAP}; excusing a mismatch keeps "
+        f"{NEAR_TIE_LOGIT_GAP} whatever this is)",
+    )
     parser.add_argument("--llama-server", type=Path, help="llama-server binary")
     parser.add_argument("--work-dir", type=Path, help="logs and oracle folders (default: temp)")
     parser.add_argument(
@@ -260,6 +280,8 @@ def options_from_args(args: argparse.Namespace):
             drafter.parent if drafter else None,
         ),
         oracle_seed=args.oracle_seed,
+        oracle_branches=args.oracle_branches,
+        branch_margin=args.branch_margin,
         llama_server=llama_server,
         work_dir=args.work_dir,
         startup_timeout=args.startup_timeout,

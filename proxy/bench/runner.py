@@ -1,7 +1,8 @@
 """The benchmark session: references, interleaved modes, summary, JSON.
 
 For each context setting the plain server first writes the reference outputs (the
-oracle replays them and every mode is compared to them). Then, for each repeat and
+oracle replays them and every mode is compared to them) and, for the oracle, the
+continuations after their near-ties' runners-up (proxy.bench.branches). Then, for each repeat and
 each k, every mode is started fresh (proxy and oracle modes on one shared
 verification server, see proxy.bench.modes), warmed up, given every prompt,
 measured and stopped. Plain, which does not depend on k, runs once per repeat. The
@@ -12,7 +13,9 @@ The result JSON (schema "npu-spec-bench/1"):
 
 - `host`: cpu, gpus (nvidia-smi), python, llama-server path and `--version`;
   `options`: every BenchOptions field; `work_dir`: logs and oracle folders.
-- `references`: per context and prompt, prompt and plain-output lengths.
+- `references`: per context and prompt, prompt and plain-output lengths, and the
+  near-tie branches recorded for the oracle (`branches`: position, runner_up, gap,
+  n_generated; see proxy.bench.branches).
 - `runs`: one per (mode, k, context, repeat, prompt): n_prompt, n_generated,
   ttft_ms, decode_ms, total_ms, tokens_per_s, e2e_tokens_per_s, equal_to_plain,
   exact_checked, first_mismatch, spec_header (X-Npu-Spec), server_timings (the
@@ -56,7 +59,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from npu_draft.oracle import OracleConfig, write_oracle_folder
+from npu_draft.oracle import Branch, OracleConfig, RecordedReference, write_oracle_folder
+from proxy.bench.branches import DEFAULT_BRANCHES, BranchPoint, record_branches
 from proxy.bench.client import StreamedCompletion, exact_tokens, stream_completion
 from proxy.bench.host import host_info
 from proxy.bench.modes import (
@@ -68,7 +72,7 @@ from proxy.bench.modes import (
     VerifyServer,
     make_instance,
 )
-from proxy.bench.neartie import explain_mismatch
+from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP, explain_mismatch
 from proxy.bench.prompts import BenchPrompt, ServerText, build_prompts, load_prompt_set, select
 from proxy.bench.results import jsonable, now_utc, write_json
 from proxy.bench.stats import request_stats, summary_rows
@@ -143,6 +147,10 @@ class BenchOptions:
     # answer and a follow-up question (a chat user's slots), answered in order
     turns: int = 1
     regime: str | None = None  # the regime server's regime (llama_server is its launcher)
+    # near-tie branches the oracle may follow, per reference (the smallest gaps; 0: none),
+    # and the top-2 logit gap under which a position counts (see proxy.bench.branches)
+    oracle_branches: int = DEFAULT_BRANCHES
+    branch_margin: float = NEAR_TIE_LOGIT_GAP
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,7 @@ class PlainOutput:
     tokens: list[int]
     stream_tokens: list[int]
     text: str
+    branches: tuple[Branch, ...] = ()  # after near-ties' runners-up (proxy.bench.branches)
 
 
 @dataclass
@@ -325,12 +334,18 @@ class BenchSession:
                     done = await stream_completion(
                         session, server.base_url, turn.tokens, o.n_predict
                     )
-                    outputs[turn.id] = PlainOutput(exact, done.tokens, done.text)
+                    branches, points = await self._branches(session, server, context, turn, exact)
+                    outputs[turn.id] = PlainOutput(exact, done.tokens, done.text, branches)
                     turns.append(turn)
                     self.references.append(
                         {"context": context, "prompt": turn.id, "kind": turn.kind,
                          "n_prompt": len(turn.tokens), "n_generated": len(exact),
-                         "n_stream_tokens": len(done.tokens)}
+                         "n_stream_tokens": len(done.tokens),
+                         "branches": [
+                             {"position": p.position, "runner_up": p.runner_up, "gap": p.gap,
+                              "n_generated": len(b.continuation)}
+                             for p, b in zip(points, branches, strict=True)
+                         ]}
                     )  # fmt: skip
                     if index + 1 < o.turns:
                         follow = await text.tokenize(follow_up(index), add_special=False)
@@ -351,6 +366,30 @@ class BenchSession:
             await server.stop()
         return prompts, outputs
 
+    async def _branches(
+        self, session: aiohttp.ClientSession, server: LlamaServerProcess, context: int | None,
+        turn: BenchPrompt, exact: list[int],
+    ) -> tuple[tuple[Branch, ...], list[BranchPoint]]:  # fmt: skip
+        """The near-tie branches of one reference, for the oracle (none without oracle
+        modes, or against the regime server: its scripted target has no near-ties and no
+        n_probs). A failure is recorded; the oracle then has the reference alone."""
+        o = self.options
+        if "oracle" not in o.modes or o.oracle_branches <= 0 or o.regime is not None:
+            return (), []
+        try:
+            branches, points = await record_branches(
+                session, server.base_url, turn.tokens, exact, o.n_predict, o.branch_margin,
+                o.oracle_branches,
+            )  # fmt: skip
+        except (aiohttp.ClientError, RuntimeError, KeyError, TypeError) as exc:
+            log.exception("ctx %s: recording the branches of %s failed", context, turn.id)
+            self.errors.append(
+                {"mode": "branches", "k": 0, "context": context, "repeat": 0,
+                 "prompt": turn.id, "error": f"{type(exc).__name__}: {exc}"}
+            )  # fmt: skip
+            return (), []
+        return tuple(branches), points
+
     def _oracle_folders(
         self, context: int | None, prompts: list[BenchPrompt], outputs: dict[str, PlainOutput],
         delays: list[tuple[float | None, float]],
@@ -358,7 +397,9 @@ class BenchSession:
         o = self.options
         if "oracle" not in o.modes:
             return {}
-        references = [(p.tokens, outputs[p.id].tokens) for p in prompts]
+        references: list[RecordedReference] = [
+            (p.tokens, outputs[p.id].tokens, outputs[p.id].branches) for p in prompts
+        ]
         references.append((tuple(self._warmup[0]), tuple(self._warmup_output)))
         folders = {}
         for a in o.oracle_acceptance:

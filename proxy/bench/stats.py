@@ -3,7 +3,9 @@
 Per request (`request_stats`): rounds, drafted, accepted, per-position counts, the
 per-round millisecond split and server decodes, read from `/metrics` deltas:
 
-- proxy/oracle: the proxy's `npu_spec_*` counters; millisecond sums and decodes
+- proxy/oracle: the proxy's `npu_spec_*` counters (`empty_draft_rounds`: rounds the
+  drafter proposed nothing for; the oracle's rounds off every recorded path); millisecond
+  sums and decodes
   come from the steady window (first token -> end) so the first round, which also
   prefills the prompt into k+1 slots, does not count as a verify cost.
 - builtin: llama-server's `spec_decode_*` counters, which it adds up when the
@@ -50,6 +52,8 @@ ROW_KEYS = (
 def _proxy_counters(d: dict[str, float]) -> dict[str, Any]:
     return {
         "rounds": round(d.get("npu_spec_rounds_total", 0)),
+        # rounds the drafter proposed nothing for (the oracle: off every recorded path)
+        "empty_draft_rounds": round(d.get("npu_spec_empty_draft_rounds_total", 0)),
         "drafted": round(d.get("npu_spec_draft_tokens_total", 0)),
         "accepted": round(d.get("npu_spec_accepted_tokens_total", 0)),
         "drafted_ahead": round(d.get("npu_spec_ahead_tokens_total", 0)),
@@ -80,6 +84,7 @@ def request_stats(
             name: steady[name]
             for name in (
                 "rounds",
+                "empty_draft_rounds",
                 "drafted",
                 "drafted_ahead",
                 "draft_ms",
@@ -205,6 +210,10 @@ def _round_counts(kind: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "accepted_per_round": _ratio(accepted, rounds) if kind != "plain" else None,
         "drafted_per_round": _ratio(drafted, rounds) if kind != "plain" else None,
         "tokens_per_round": _ratio(generated, rounds),
+        # verify rounds without a draft: for the oracle, rounds off every recorded path
+        "empty_draft_rounds": sum(r["stats"].get("empty_draft_rounds", 0) for r in runs)
+        if speculative
+        else None,
         # share of the output the server decoded alone (proxy.plain_runs)
         "plain_run_share": _ratio(
             sum(r["stats"].get("plain_run_tokens", 0) for r in runs), generated

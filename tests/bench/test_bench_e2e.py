@@ -96,6 +96,8 @@ async def test_bench_all_modes_complete_and_match_plain(
     assert result["errors"] == []
     assert [r["prompt"] for r in result["references"]] == ["edit-bugfix", "long-report"]
     assert all(150 <= r["n_prompt"] <= 230 for r in result["references"])
+    # near-tie branches for the oracle (few or none at the real margin on this model)
+    assert all(len(r["branches"]) <= options.oracle_branches for r in result["references"])
     costs = result["round_costs"]["192"]
     assert costs["plain_ms"] > 0
     assert sorted(costs["round_ms"]) == ["1", "2", "3"]
@@ -147,6 +149,7 @@ async def test_bench_all_modes_complete_and_match_plain(
             assert summary["memory"]["rss_mb.proxy"] > 0
         if entry["kind"] == "oracle":  # on its reference path it drafts every round
             assert summary["drafted"] >= summary["rounds"] - 2  # but each prompt's last
+            assert summary["empty_draft_rounds"] <= 2  # never off its recorded paths
         if entry["kind"] == "builtin":
             assert summary["drafted"] > 0
     # llama.cpp's own drafter timer, from its log (-lv 4)

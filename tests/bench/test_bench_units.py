@@ -76,8 +76,10 @@ def test_proxy_request_stats_leave_the_first_round_out_of_the_split() -> None:
     before = _proxy_metrics(0, 0, 0, 0, 0.0)
     first = _proxy_metrics(1, 2, 1, 3, 50.0)  # the first round also prefilled
     after = _proxy_metrics(11, 22, 11, 13, 150.0)
+    after["npu_spec_empty_draft_rounds_total"] = 3  # rounds the drafter proposed nothing for
     stats = request_stats("proxy", 2, 30, before, first, after)
     assert (stats["rounds"], stats["drafted"], stats["accepted"]) == (11, 22, 11)
+    assert stats["empty_draft_rounds"] == 3 and stats["steady"]["empty_draft_rounds"] == 3
     assert stats["drafted_per_position"] == [11, 11]
     assert stats["accepted_per_position"] == [11, 0]
     assert stats["steady"]["rounds"] == 10 and stats["steady"]["decodes"] == 10
@@ -87,6 +89,7 @@ def test_proxy_request_stats_leave_the_first_round_out_of_the_split() -> None:
     summary = summarize("proxy", 2, [run], [{"rss_mb.proxy": 100.0}])
     assert summary["tokens_per_s_median"] == 29.0
     assert summary["decodes_per_round"] == 1.0
+    assert summary["empty_draft_rounds"] == 3
     assert summary["draft_ms_per_round"] == 10.0 and summary["verify_ms_per_round"] == 20.0
     assert summary["acceptance_per_position"] == [1.0, 0.0]
     assert summary["acceptance_iid"] == 0.5

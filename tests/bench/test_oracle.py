@@ -3,14 +3,18 @@ off its reference path."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
 import pytest
 
 from npu_draft.oracle import (
+    ORACLE_FILE,
+    Branch,
     OracleConfig,
     OracleDraftModel,
+    drafted_token,
     is_oracle_folder,
     write_oracle_folder,
 )
@@ -160,3 +164,114 @@ def test_folder_round_trip(tmp_path) -> None:
     assert loaded.references[0].continuation == tuple(truth)
     with pytest.raises(ValueError):
         OracleConfig(acceptance=1.5)
+
+
+# --- branches: the target's continuation after a near-tie's runner-up -----------------
+
+
+def _branched(a: float, fork: int = 30, n: int = 120) -> tuple[OracleDraftModel, list[int]]:
+    """A model whose reference has one branch at `fork`; returns it and the branch's
+    whole continuation (the reference's up to `fork`, the runner-up, the rest)."""
+    prompt, truth = _reference(n)
+    rng = np.random.default_rng(7)
+    runner_up = (truth[fork] + 1) % VOCAB
+    after = rng.integers(0, VOCAB, n - fork - 1).tolist()
+    config = OracleConfig(acceptance=a, seed=3, vocab_size=VOCAB)
+    model = OracleDraftModel([(prompt, truth, [Branch(fork, runner_up, tuple(after))])], config)
+    return model, [*truth[:fork], runner_up, *after]
+
+
+def _follow(model: OracleDraftModel, prompt: list[int], truth: list[int], k: int) -> list[int]:
+    """Greedy rounds where the target writes `truth`: the draft length of each round."""
+    session = model.open_session()
+    committed = list(prompt)
+    lengths = []
+    while len(committed) - len(prompt) < len(truth):
+        done = len(committed) - len(prompt)
+        session.sync(committed)
+        draft = session.propose(min(k, len(truth) - done - 1))
+        run = 0
+        while run < len(draft) and draft.tokens[run] == truth[done + run]:
+            run += 1
+        committed += truth[done : done + run + 1]
+        lengths.append(len(draft))
+    return lengths
+
+
+def test_a_flip_at_a_branch_point_is_followed() -> None:
+    model, branch_truth = _branched(1.0)
+    prompt = list(model.references[0].prompt)
+    # the target flips the tie: every round but the last (nothing left to draft) drafts
+    lengths = _follow(model, prompt, branch_truth, k=3)
+    assert all(n > 0 for n in lengths[:-1])
+    # without the branch the oracle falls off its path at the flip and drafts nothing
+    bare = OracleDraftModel([(prompt, model.references[0].continuation)], model.config)
+    assert sum(n == 0 for n in _follow(bare, prompt, branch_truth, k=3)) > 20
+
+
+def test_the_reference_owns_the_sequence_up_to_the_branch_point() -> None:
+    model, branch_truth = _branched(1.0, fork=30)
+    ref = model.references[0]
+    session = model.open_session()
+    # take the branch first, so the session sits on it
+    session.sync([*ref.prompt, *branch_truth[:40]])
+    assert session.propose(2).tokens == branch_truth[40:42]
+    # then a sequence at the branch point: the reference's token, as plain wrote it
+    session.sync([*ref.prompt, *ref.continuation[:30]])
+    assert session.propose(2).tokens == list(ref.continuation[30:32])
+
+
+def test_branch_verdicts_are_the_references_before_the_fork_and_salted_after() -> None:
+    model, branch_truth = _branched(0.5, fork=60, n=400)
+    ref, path = model.references[0], model.references[0].branches[0]
+    config = model.config
+    before = [drafted_token(config, ref, i) for i in range(60)]
+    assert before == [drafted_token(config, path, i) for i in range(60)]
+    # after the fork: the branch's own verdicts, not a copy of the reference's
+    verdicts = [drafted_token(config, path, i) == branch_truth[i] for i in range(61, 400)]
+    main = [drafted_token(config, ref, i) == ref.continuation[i] for i in range(61, 400)]
+    assert verdicts != main
+    assert 0.4 < sum(verdicts) / len(verdicts) < 0.6
+    assert verdicts == [
+        drafted_token(config, path, i) == branch_truth[i] for i in range(61, 400)
+    ]  # a pure function of the position
+
+
+def test_off_every_recorded_path_proposes_nothing() -> None:
+    model, branch_truth = _branched(1.0, fork=30)
+    ref = model.references[0]
+    session = model.open_session()
+    other = (ref.continuation[30] + 2) % VOCAB  # neither the reference's nor the runner-up
+    session.sync([*ref.prompt, *ref.continuation[:30], other])
+    assert len(session.propose(4)) == 0
+    # on the branch, then off it
+    wrong = (branch_truth[50] + 1) % VOCAB
+    session.sync([*ref.prompt, *branch_truth[:50], wrong])
+    assert len(session.propose(4)) == 0
+    session.sync([*ref.prompt, *branch_truth[:50]])
+    assert session.propose(4).tokens == branch_truth[50:54]
+
+
+def test_a_branch_must_leave_the_reference() -> None:
+    prompt, truth = _reference(20)
+    with pytest.raises(ValueError):
+        OracleDraftModel([(prompt, truth, [Branch(5, truth[5], (1, 2))])])
+    with pytest.raises(ValueError):
+        OracleDraftModel([(prompt, truth, [Branch(20, 1, (1, 2))])])
+
+
+def test_branches_round_trip_and_the_old_format_loads(tmp_path) -> None:
+    model, branch_truth = _branched(0.7, fork=30)
+    ref = model.references[0]
+    branch = Branch(30, branch_truth[30], tuple(branch_truth[31:]))
+    folder = write_oracle_folder(
+        tmp_path / "new", [(ref.prompt, ref.continuation, [branch])], model.config
+    )
+    loaded = OracleDraftModel.from_folder(folder)
+    assert loaded.references[0].branches[0].continuation == tuple(branch_truth)
+    old = json.loads((folder / ORACLE_FILE).read_text())
+    old["references"] = [entry[:2] for entry in old["references"]]
+    (folder / ORACLE_FILE).write_text(json.dumps(old))
+    reloaded = OracleDraftModel.from_folder(folder)
+    assert reloaded.references[0].continuation == ref.continuation
+    assert reloaded.references[0].branches == ()
