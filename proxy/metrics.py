@@ -232,3 +232,42 @@ HISTOGRAMS = (
         "tokens_per_second",
     ),
 )
+
+
+class ConcurrencyMetrics:
+    """Streams sharing the server's slots (`proxy.slot_share`): the gauges it reports
+    and the waits it measured, rendered like every other metric here."""
+
+    def __init__(self) -> None:
+        self.admission_wait_ms = Histogram(MS_BUCKETS)  # in the proxy's queue
+        self.first_token_ms = Histogram(MS_BUCKETS)  # request arrival to its first token
+        self.yields = 0
+        self.resumes = 0
+        self.rejected = 0
+
+    def render(self, streams: int, speculating: int, queued: int, slots: int) -> str:
+        rows = [
+            ("npu_spec_streams_active", "gauge",
+             "Generation requests being served (speculative and passed through)", streams),
+            ("npu_spec_streams_speculating", "gauge",
+             "Streams served by speculative rounds right now (not yielded)", speculating),
+            ("npu_spec_requests_queued", "gauge",
+             "Requests waiting because every llama-server slot has a stream", queued),
+            ("npu_spec_server_slots", "gauge", "llama-server slots the streams share", slots),
+            ("npu_spec_speculation_yields_total", "counter",
+             "Times a speculating stream gave its extra slots up for other streams", self.yields),
+            ("npu_spec_speculation_resumes_total", "counter",
+             "Times a stream that had yielded speculated again", self.resumes),
+        ]  # fmt: skip
+        lines: list[str] = []
+        for name, kind, help_text, value in rows:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+        lines += self.admission_wait_ms.render(
+            "npu_spec_admission_wait_ms", "Time a request waited in the proxy's queue (ms)"
+        )
+        lines += self.first_token_ms.render(
+            "npu_spec_first_token_wait_ms",
+            "Wait before the first token of a streamed generation request, from its arrival "
+            "(ms; speculative and passed-through streams)",
+        )
+        return "\n".join(lines) + "\n"
