@@ -103,6 +103,21 @@ async def stream_completion(
     """One streamed greedy /completion; times from `started` (the burst's start)."""
     result = StreamResult(prompt=0)
     body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "stream": True}
+    for attempt in (1, 2):
+        try:
+            return await _stream_into(session, url, body, started, result)
+        except aiohttp.ServerDisconnectedError as exc:
+            # closed before any answer: a pooled keep-alive connection the server had
+            # just dropped; nothing was received, so once more
+            if attempt == 2 or result.ttft_s is not None:
+                result.error = repr(exc)
+    result.end_s = time.perf_counter() - started
+    return result
+
+
+async def _stream_into(
+    session: aiohttp.ClientSession, url: str, body: dict, started: float, result: StreamResult
+) -> StreamResult:
     try:
         async with session.post(url + "/completion", json=body) as response:
             result.header = response.headers.get("X-Npu-Spec", "")
@@ -128,6 +143,10 @@ async def stream_completion(
                     if event.get("stop"):
                         predicted = (event.get("timings") or {}).get("predicted_n")
             result.tokens = int(predicted) if predicted else chunks
+    except aiohttp.ServerDisconnectedError:
+        if result.ttft_s is None:
+            raise  # nothing came: the caller tries once more
+        result.error = "server disconnected mid-stream"
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         result.error = repr(exc)
     result.end_s = time.perf_counter() - started
