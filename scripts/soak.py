@@ -6,7 +6,8 @@ the drafter of a `npu-spec make-models` folder wrapped so that a share of its dr
 sessions fail (an exception, ids outside the vocabulary, or a hang past the draft
 timeout); `--streams` clients send greedy requests without pause (non-streamed ones
 whose token ids are checked, streamed ones whose text is checked, and streamed ones
-the client abandons after the first chunk); llama-server is killed (SIGKILL) every
+the client abandons after the first chunk), in phases: a third of every `--phase-s`
+one client alone (it speculates), the rest all of them; llama-server is killed (SIGKILL) every
 `--kill-every-s` and managed mode must restart it. Counted:
 
 - lost: a request with no answer within its timeout, or an answer that is neither
@@ -140,8 +141,19 @@ class Soak:
         self.texts: list[tuple[int, str]] = []  # (prompt, streamed text)
         self.rng = random.Random(args.seed)
 
-    async def worker(self, session: aiohttp.ClientSession, deadline: float) -> None:
+    def busy(self) -> bool:
+        """Load phases: of every `--phase-s`, the first third has one client only (it
+        speculates, so drafter faults strike), the rest all of them (speculation
+        yields to the newcomers, and resumes in the next quiet third)."""
+        return (time.monotonic() % self.args.phase_s) >= self.args.phase_s / 3
+
+    async def worker(
+        self, session: aiohttp.ClientSession, deadline: float, number: int = 0
+    ) -> None:
         while time.monotonic() < deadline:
+            if number > 0 and not self.busy():
+                await asyncio.sleep(0.5)
+                continue
             prompt = self.rng.randrange(len(PROMPTS))
             roll = self.rng.random()
             kind = "abort" if roll < self.args.abort_rate else "stream" if roll < 0.45 else "json"
@@ -316,7 +328,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     await asyncio.sleep(5)
 
             await asyncio.gather(
-                *(soak.worker(session, deadline) for _ in range(args.streams)),
+                *(soak.worker(session, deadline, i) for i in range(args.streams)),
                 soak.killer(proc.pid, deadline),
                 sample(),
             )
@@ -326,6 +338,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 counts=dict(soak.counts),
                 rss_mb_first=after_warmup[0] if after_warmup else None,
                 rss_mb_last=after_warmup[-1] if after_warmup else None,
+                rss_mb_series=[[round(t), round(v, 1)] for t, v in rss],
                 server_restarts=await _metric(session, url, "npu_spec_server_restarts_total"),
                 drafter_faults=await _metric(session, url, "npu_spec_drafter_faults_total"),
                 streams_active_after=await _metric(session, url, "npu_spec_streams_active"),
@@ -376,6 +389,7 @@ def main() -> int:
     parser.add_argument("--fault-rate", type=float, default=0.2, help="draft sessions that fail")
     parser.add_argument("--abort-rate", type=float, default=0.15, help="requests abandoned")
     parser.add_argument("--n-predict", type=int, default=48)
+    parser.add_argument("--phase-s", type=float, default=45.0, help="quiet third, busy rest")
     parser.add_argument("-k", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="llama-server -t")
     parser.add_argument("--request-timeout-s", type=float, default=180.0)
