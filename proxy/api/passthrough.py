@@ -122,7 +122,11 @@ async def _relay_body(
                 on_first_chunk()
                 on_first_chunk = None
     except (aiohttp.ClientError, TimeoutError) as exc:
-        reason = "stalled" if isinstance(exc, TimeoutError) else f"broke off ({exc!r})"
+        stalled = isinstance(exc, TimeoutError)
+        # the message names the server, as the speculative path's errors do
+        reason = f"at {upstream_response.url.origin()} " + (
+            "stalled" if stalled else f"broke off ({exc!r})"
+        )
         log.warning("pass-through %s %s: llama-server %s", request.method, request.path, reason)
         if upstream_response.content_type == "text/event-stream":
             # an SSE client gets the server's own way of ending a failed stream
