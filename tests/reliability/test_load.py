@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.policies.load import LoadGate
 from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
 from proxy.slot_share import SlotShare
 from tests.reliability.tools import REPO, is_openai_error, proxy_for, record
@@ -93,6 +94,64 @@ async def test_full_queue_answers_503_with_retry_after(request, spec_server, ref
         "3 streams on 3 slots at once + 2 queued are served; the sixth gets 503 in "
         "OpenAI format with Retry-After at once",
     )  # fmt: skip
+
+
+@settings(settings.get_profile("reliability"), max_examples=60)
+@given(
+    slots=st.integers(1, 8),
+    max_queue=st.integers(0, 3),
+    ops=st.lists(st.sampled_from(["admit", "release", "cancel", "grant"]), max_size=30),
+)
+def test_shared_slots_never_oversubscribe(slots, max_queue, ops):
+    """Property: any interleaving of arrivals, completions, cancellations and round
+    grants keeps streams <= slots and queued <= max_queue, grants no more slots than
+    the streams leave, and loses no stream."""
+
+    async def scenario() -> None:
+        share = SlotShare(slots, 3, max_queue=max_queue, gate=LoadGate("plain"))
+        held: list = []
+        waiting: list[asyncio.Task] = []
+        for op in ops:
+            if op == "admit":
+                waiting.append(asyncio.create_task(share.admit(True)))
+            elif op == "release" and held:
+                share.release(held.pop(0))
+            elif op == "grant" and held:
+                stream = held[-1]
+                if stream.speculative:
+                    others = sum(s.extra for s in held if s is not stream)
+                    k = share.grant(stream)
+                    assert 0 <= k <= 2 and share.streams + others + k <= slots
+            elif op == "cancel":
+                pending = [t for t in waiting if not t.cancelling()]
+                if pending:
+                    pending[0].cancel()
+            await asyncio.sleep(0)
+            still: list[asyncio.Task] = []
+            for task in waiting:
+                if not task.done():
+                    still.append(task)
+                elif not task.cancelled():
+                    try:
+                        held.append(task.result())
+                    except SchedulerBusy as exc:
+                        assert isinstance(exc, QueueFull)
+            waiting = still
+            # a stream handed over from the queue counts before its task resumes
+            assert len(held) <= share.streams <= slots
+            assert share.queued <= max_queue
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        for task in waiting:  # admitted before the cancel arrived: still held
+            if task.done() and not task.cancelled() and task.exception() is None:
+                held.append(task.result())
+        for stream in held:
+            share.release(stream)
+        assert share.idle()
+
+    asyncio.run(scenario())
+    _scheduler_cases.append(1)
 
 
 @settings(settings.get_profile("reliability"), max_examples=60)
