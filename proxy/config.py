@@ -73,6 +73,14 @@ class ProxySettings(BaseSettings):
 
     # behaviour
     when_busy: Literal["queue", "passthrough"] = "queue"
+    under_load: Literal["auto", "plain"] = Field(
+        "auto",
+        description="with other streams on the server: speculate where measured to beat "
+        "llama-server's batching of them all (auto), or never (plain)",
+    )
+    max_streams: int | None = Field(
+        None, ge=1, description="requests served at once (default: llama-server's slots)"
+    )
     queue_timeout_s: float = Field(300.0, gt=0)
     verify_timeout_s: float = Field(600.0, gt=0)
     check_decodes: bool = Field(False, description="check one server decode per round")

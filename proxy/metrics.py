@@ -7,11 +7,10 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.data.records import RoundRecord
 from proxy.policies import SharedPolicies
-from proxy.scheduler import SlotScheduler
 
 MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
@@ -289,8 +288,21 @@ def policy_page(policies: SharedPolicies) -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
+class SlotCounts(Protocol):
+    """What the slot sharing counts (`proxy.slot_share.SlotShare`)."""
+
+    @property
+    def active(self) -> int: ...
+
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def rejected(self) -> int: ...
+
+
 def reliability_page(
-    scheduler: SlotScheduler,
+    scheduler: SlotCounts,
     drafters: dict[str, Any],
     client_disconnects: int,
     upstream_failures: int,
@@ -328,3 +340,42 @@ def reliability_page(
     for name, kind, help_text, value in rows:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
     return "\n".join(lines) + "\n"
+
+
+class ConcurrencyMetrics:
+    """Streams sharing the server's slots (`proxy.slot_share`): the gauges it reports
+    and the waits it measured, rendered like every other metric here."""
+
+    def __init__(self) -> None:
+        self.admission_wait_ms = Histogram(MS_BUCKETS)  # in the proxy's queue
+        self.first_token_ms = Histogram(MS_BUCKETS)  # request arrival to its first token
+        self.yields = 0
+        self.resumes = 0
+        self.rejected = 0
+
+    def render(self, streams: int, speculating: int, queued: int, slots: int) -> str:
+        rows = [
+            ("npu_spec_streams_active", "gauge",
+             "Generation requests being served (speculative and passed through)", streams),
+            ("npu_spec_streams_speculating", "gauge",
+             "Streams served by speculative rounds right now (not yielded)", speculating),
+            ("npu_spec_requests_queued", "gauge",
+             "Requests waiting because every llama-server slot has a stream", queued),
+            ("npu_spec_server_slots", "gauge", "llama-server slots the streams share", slots),
+            ("npu_spec_speculation_yields_total", "counter",
+             "Times a speculating stream gave its extra slots up for other streams", self.yields),
+            ("npu_spec_speculation_resumes_total", "counter",
+             "Times a stream that had yielded speculated again", self.resumes),
+        ]  # fmt: skip
+        lines: list[str] = []
+        for name, kind, help_text, value in rows:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+        lines += self.admission_wait_ms.render(
+            "npu_spec_admission_wait_ms", "Time a request waited in the proxy's queue (ms)"
+        )
+        lines += self.first_token_ms.render(
+            "npu_spec_first_token_wait_ms",
+            "Wait before the first token of a streamed generation request, from its arrival "
+            "(ms; speculative and passed-through streams)",
+        )
+        return "\n".join(lines) + "\n"

@@ -224,8 +224,19 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         {
             "choices": ["queue", "passthrough"],
             "dest": "when_busy",
-            "help": "when every slot group is busy: wait for one (queue) or serve by plain "
-            "pass-through (default: %(default)s)",
+            "help": "when every llama-server slot serves a stream: wait in the bounded queue "
+            "(queue) or pass the request on for llama-server to queue (passthrough) "
+            "(default: %(default)s)",
+        },
+    ),
+    (
+        ("--under-load",),
+        {
+            "choices": ["auto", "plain"],
+            "dest": "under_load",
+            "help": "with several streams at once: speculate only where measured to beat "
+            "llama-server's own batching of them (auto), or let every stream decode "
+            "plainly while others are served (plain) (default: %(default)s)",
         },
     ),
     (
@@ -329,7 +340,7 @@ or JSON file given with --config FILE (or NPU_SPEC_CONFIG): the variable's name 
 NPU_SPEC_, in lower case (k = 4, drafter = "/models/drafter", server_args = ["-ngl",
 "99"]; a list in a variable is JSON: NPU_SPEC_SERVER_ARGS='["-ngl", "99"]'). The
 command line beats the environment, which beats the file. Settings with no option of
-their own: queue_timeout_s, strict_decodes, retry_after_s, passthrough_read_timeout_s,
+their own: queue_timeout_s, max_streams, strict_decodes, retry_after_s, passthrough_read_timeout_s,
 max_restarts, server_host, slot_save_dir. docs/QUICKSTART.md lists every setting with
 its default.
 

@@ -159,7 +159,10 @@ async def _conversation(
 async def _sample_metrics(
     session: aiohttp.ClientSession, url: str, stop: asyncio.Event, seen: dict[str, float]
 ) -> None:
-    names = ("npu_spec_slot_groups_active", "npu_spec_queue_length")
+    names = (
+        "npu_spec_slot_groups_active", "npu_spec_queue_length", "npu_spec_streams_active",
+        "npu_spec_streams_speculating",
+    )  # fmt: skip
     while not stop.is_set():
         try:
             async with session.get(url + "/metrics") as response:
@@ -280,6 +283,8 @@ async def run_load(
         if ok
         else 0.0,
         "max_slot_groups_active": seen.get("npu_spec_slot_groups_active"),
+        "max_streams_active": seen.get("npu_spec_streams_active"),
+        "max_streams_speculating": seen.get("npu_spec_streams_speculating"),
         "max_queue_length": seen.get("npu_spec_queue_length"),
         "greedy_verified": len(verified),
         "greedy_equal_to_solo": sum(1 for t in verified if t.solo_equal),

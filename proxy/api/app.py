@@ -46,8 +46,10 @@ from proxy.engine import (
 from proxy.engine.background import BackgroundTasks
 from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.metrics import ProxyMetrics, policy_page, reliability_page
-from proxy.scheduler import QueueFull, SchedulerBusy, SlotScheduler
+from proxy.policies.load import LoadGate, LoadMeasures
+from proxy.scheduler import SchedulerBusy
 from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
+from proxy.slot_share import SlotShare, Stream
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count(1)
@@ -61,7 +63,7 @@ class ProxyState:
 
     upstream: UpstreamClient
     settings: ProxySettings
-    scheduler: SlotScheduler
+    scheduler: SlotShare  # the server's slots, shared by every stream
     props: dict[str, Any]
     settings_template: dict[str, Any]  # generation_settings of a default greedy request
     open_drafter: Callable[[], AsyncDrafter] | None  # None: no drafter, everything passes
@@ -136,7 +138,7 @@ async def build_state(
     settings: ProxySettings,
     upstream: UpstreamClient,
     open_drafter: Callable[[], AsyncDrafter] | None,
-    scheduler: SlotScheduler | None = None,
+    scheduler: SlotShare | None = None,
     **started: Any,
 ) -> ProxyState:
     """Read the server's facts (props, settings template, vocabulary) and assemble the
@@ -145,14 +147,16 @@ async def build_state(
     props = await upstream.props()
     template = await probe_settings_template(upstream)
     if scheduler is None:
-        scheduler = SlotScheduler(
+        scheduler = SlotShare(
             int(props.get("total_slots", 1)),
             settings.k + 1,
             settings.when_busy,
             settings.queue_timeout_s,
             settings.max_queue,
+            settings.max_streams,
+            LoadGate(settings.under_load),
         )
-    return ProxyState(
+    state = ProxyState(
         upstream=upstream,
         settings=settings,
         scheduler=scheduler,
@@ -161,6 +165,21 @@ async def build_state(
         open_drafter=open_drafter,
         n_vocab=await _vocab_size(upstream),
         **started,
+    )
+    if scheduler.gate.measure is None:
+        scheduler.gate.measure = lambda: _load_measures(state)
+    return state
+
+
+def _load_measures(state: ProxyState) -> LoadMeasures:
+    """What the load gate weighs: the greedy gate's rates alone, and what one more
+    token in a verify batch costs (the draft-length policy's fitted slope)."""
+    runs = state.policies.plain_runs.snapshot()
+    lengths = state.policies.draft_length.snapshot()
+    return LoadMeasures(
+        plain_ms_per_token=runs["plain_ms_per_token"],
+        spec_ms_per_token=runs["spec_ms_per_token"],
+        batch_token_ms=lengths["verify_ms_per_draft"] if lengths["rounds"] else None,
     )
 
 
@@ -202,7 +221,10 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
 
 async def _forward(
-    request: web.Request, state: ProxyState, body: bytes | None = None
+    request: web.Request,
+    state: ProxyState,
+    body: bytes | None = None,
+    on_first_chunk: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     return await forward(
         request,
@@ -210,6 +232,7 @@ async def _forward(
         body,
         replace_auth=state.replace_upstream_auth,
         read_timeout_s=state.settings.passthrough_read_timeout_s,
+        on_first_chunk=on_first_chunk,
     )
 
 
@@ -225,6 +248,7 @@ async def metrics(request: web.Request) -> web.Response:
         )
         + policy_page(state.policies)
     )
+    page += state.scheduler.render_metrics()
     try:
         page += await state.upstream.metrics_text()
     except UpstreamError as exc:
@@ -359,20 +383,53 @@ async def _serve(
 async def _serve_request(
     request: web.Request, read: PromptReader, response_format: type[formats.ResponseFormat]
 ) -> web.StreamResponse:
+    """Admit the request as one stream of the server's slots (at once while a slot has
+    no stream; else it queues, or gets 503), serve it, and give the slot back."""
+    state = request.app[STATE]
+    arrived = time.perf_counter()
+    raw = await request.read()
+    body = parsed_body(request)  # the guard parsed every non-empty body
+    try:
+        stream = await state.scheduler.admit(
+            state.drafters is not None and body is not None, arrived
+        )
+    except SchedulerBusy as exc:  # the queue is full, or it waited the queue timeout
+        return busy_response(state, str(exc))
+    try:
+        return await _serve_stream(request, read, response_format, raw, body, stream)
+    finally:
+        state.scheduler.release(stream)
+
+
+async def _serve_stream(
+    request: web.Request,
+    read: PromptReader,
+    response_format: type[formats.ResponseFormat],
+    raw: bytes,
+    body: dict[str, Any] | None,
+    stream: Stream,
+) -> web.StreamResponse:
     state = request.app[STATE]
     request_id = f"r{next(_request_ids)}"
-    raw = await request.read()
+    share = state.scheduler
+    streamed = isinstance(body, dict) and bool(body.get("stream"))
+    first_token = (lambda: share.first_token(stream)) if streamed else None
 
     async def pass_on(reason: str) -> web.StreamResponse:
         log.info("[%s] %s %s: pass-through (%s)", request_id, request.method, request.path, reason)
+        stream.speculative = False
         state.metrics.observe_request("passthrough")
-        return await _forward(request, state, raw)
+        return await _forward(request, state, raw, first_token)
 
     if state.drafters is None:
         return await pass_on("no drafter configured")
-    body = parsed_body(request)  # the guard parsed every non-empty body
     if body is None:
         return await pass_on("no body: the server answers with its own error")
+    if not stream.speculative:
+        return await pass_on(
+            f"{share.streams - 1} other stream(s): llama-server's own batching serves them "
+            "better than speculating here"
+        )
     try:
         prompt = await read(state, body)
     except NotEligible as exc:
@@ -388,31 +445,20 @@ async def _serve_request(
         # the server's own answer for such a prompt (server-common.cpp validate)
         return error_response(400, "Prompt contains invalid tokens", spec_header="speculative")
 
-    try:
-        group = await state.scheduler.acquire()
-    except QueueFull as exc:
-        return busy_response(state, str(exc))
-    except SchedulerBusy as exc:
-        if state.scheduler.when_busy == "queue":  # waited the whole queue timeout
-            return busy_response(state, str(exc))
-        return await pass_on(str(exc))
-    try:
-        state.metrics.observe_request("speculative")
-        answer = response_format(_response_context(state, body, prompt))
-        generation = await _start_generation(
-            state, prompt.tokens, prompt.params, prompt.triggers, group, request_id
-        )
-        n_prompt = len(prompt.tokens)
-        log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, n_prompt)
-        tool_call = ToolCallStart(prompt.triggers, prompt.params.stop, body)
-        if prompt.params.stream:
-            return await _stream(request, state, answer, generation, tool_call)
-        response = await _complete(state, answer, generation, tool_call)
-        if response is None:  # the model started a tool call: the server writes it
-            return await pass_on("the model started a tool call")
-        return response
-    finally:
-        state.scheduler.release(group)
+    state.metrics.observe_request("speculative")
+    answer = response_format(_response_context(state, body, prompt))
+    generation = await _start_generation(
+        state, prompt.tokens, prompt.params, prompt.triggers, stream, request_id
+    )
+    n_prompt = len(prompt.tokens)
+    log.info("[%s] %s: speculative, %d prompt tokens", request_id, request.path, n_prompt)
+    tool_call = ToolCallStart(prompt.triggers, prompt.params.stop, body)
+    if prompt.params.stream:
+        return await _stream(request, state, answer, generation, tool_call, first_token)
+    response = await _complete(state, answer, generation, tool_call)
+    if response is None:  # the model started a tool call: the server writes it
+        return await pass_on("the model started a tool call")
+    return response
 
 
 def _response_context(
@@ -440,10 +486,10 @@ async def _start_generation(
     tokens: list[int],
     params: SpecParams,
     triggers: list[str],
-    group: int,
+    stream: Stream,
     request_id: str,
 ) -> Generation:
-    """The engine's generation for one request, on slot group `group`."""
+    """The engine's generation for one request, sharing the slots as `stream`."""
     return Generation(
         state.upstream,
         tokens,
@@ -461,8 +507,8 @@ async def _start_generation(
         settings=state.engine_settings,
         request_id=request_id,
         replicator=state.replicator,
-        slot_file=f"{state.slot_file_stem}-g{group}.bin",  # one file per group
-        policies=state.policies.for_request(params.sampling),
+        slot_file=f"{state.slot_file_stem}-g{stream.group}.bin",  # one file per stream
+        policies=state.policies.for_request(params.sampling, state.scheduler.lease(stream)),
     )
 
 
@@ -545,6 +591,7 @@ async def _stream(
     answer: formats.ResponseFormat,
     generation: Generation,
     tool_call: ToolCallStart,
+    on_first_token: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     started = time.perf_counter()
     events = generation.run()
@@ -560,6 +607,8 @@ async def _stream(
     response.content_type = "text/event-stream"
     response.headers[HEADER] = "speculative"
     await response.prepare(request)
+    if on_first_token is not None:
+        on_first_token()
     clock = _StreamClock(started, first_token_at=time.perf_counter())
     if answer.ctx.return_progress:
         await _write_progress(response, answer, clock)

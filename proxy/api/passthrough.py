@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -40,11 +41,13 @@ async def forward(
     body: bytes | None = None,
     replace_auth: bool = False,
     read_timeout_s: float | None = None,
+    on_first_chunk: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     """Pass `request` (with its already-read `body`, if any) to the upstream server.
 
     `read_timeout_s` bounds each silence of the server (not the whole answer: a long
-    generation is fine, a stalled server is not).
+    generation is fine, a stalled server is not). `on_first_chunk` is called once the
+    first bytes of the answer's body are relayed.
     """
     if body is None:
         body = await request.read()
@@ -73,7 +76,7 @@ async def forward(
         await response.prepare(request)
         # A client that goes away cancels this handler; leaving the `async with`
         # closes the upstream connection, which makes llama-server drop the task.
-        await _relay_body(request, upstream_response, response)
+        await _relay_body(request, upstream_response, response, on_first_chunk)
         await response.write_eof()
         return response
 
@@ -105,15 +108,25 @@ def _mirrored_head(upstream_response: aiohttp.ClientResponse) -> web.StreamRespo
 
 
 async def _relay_body(
-    request: web.Request, upstream_response: aiohttp.ClientResponse, response: web.StreamResponse
+    request: web.Request,
+    upstream_response: aiohttp.ClientResponse,
+    response: web.StreamResponse,
+    on_first_chunk: Callable[[], None] | None = None,
 ) -> None:
     """Copy the server's body as it comes. A body cut off by the server ends an SSE
     stream with an error event and drops any other client connection."""
     try:
         async for chunk in upstream_response.content.iter_any():
             await response.write(chunk)
+            if on_first_chunk is not None:
+                on_first_chunk()
+                on_first_chunk = None
     except (aiohttp.ClientError, TimeoutError) as exc:
-        reason = "stalled" if isinstance(exc, TimeoutError) else f"broke off ({exc!r})"
+        stalled = isinstance(exc, TimeoutError)
+        # the message names the server, as the speculative path's errors do
+        reason = f"at {upstream_response.url.origin()} " + (
+            "stalled" if stalled else f"broke off ({exc!r})"
+        )
         log.warning("pass-through %s %s: llama-server %s", request.method, request.path, reason)
         if upstream_response.content_type == "text/event-stream":
             # an SSE client gets the server's own way of ending a failed stream

@@ -209,6 +209,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "charges (proxy/bench/regime/regimes: h200-cuda-14b-f16, strix-halo-vulkan-32b, ...)",
     )
     parser.add_argument(
+        "--concurrency",
+        type=int_list,
+        metavar="N[,N...]",
+        help="many users at once: bursts of N concurrent streaming requests, llama-server "
+        "alone and `npu-spec serve` (managed) side by side with the same slots, e.g. "
+        "1,2,4,8 (modes plain, proxy, oracle; the first -k; --proxy-variant adds columns)",
+    )
+    parser.add_argument(
+        "--ctx", type=int, default=2048, help="--concurrency: context per slot (tokens)"
+    )
+    parser.add_argument(
         "-o", "--out", type=Path, help="result JSON (default: benchmarks/results/bench-<time>.json)"
     )
     parser.add_argument(
@@ -321,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
     if args.report is not None:
         return report(args.report)
 
+    if args.concurrency:
+        return run_concurrency_cli(args)
     options = options_from_args(args)
     if options.target is None:
         log.error("give --target model.gguf or --models DIR")
@@ -361,6 +374,47 @@ def run(args: argparse.Namespace) -> int:
         log.error("failed: %s k=%d ctx=%s repeat %d: %s", error["mode"], error["k"],
                   error["context"], error["repeat"], error["error"])  # fmt: skip
     return 1 if result["errors"] else 0
+
+
+def run_concurrency_cli(args: argparse.Namespace) -> int:
+    from proxy.bench.concurrency import ConcurrencyOptions, render, run_concurrency
+    from proxy.bench.results import default_result_path, write_json
+    from proxy.server.llama_server import find_llama_server
+
+    options = options_from_args(args)
+    if options.target is None:
+        log.error("give --target model.gguf or --models DIR")
+        return 2
+    if "proxy" in options.modes and options.drafter is None:
+        log.error("the proxy mode needs --drafter (or --models)")
+        return 2
+    work = options.work_dir or Path(tempfile.mkdtemp(prefix="npu-spec-concurrency-"))
+    concurrency = ConcurrencyOptions(
+        target=options.target,
+        llama_server=find_llama_server(options.llama_server),
+        levels=args.concurrency,
+        k=options.ks[0],
+        n_predict=options.n_predict,
+        repeats=options.repeats,
+        ctx=args.ctx,
+        threads=options.threads,
+        server_args=options.server_args,
+        drafter=options.drafter,
+        modes=[m for m in options.modes if m in ("plain", "proxy", "oracle")],
+        proxy_variants=options.proxy_variants,
+        oracle_acceptance=options.oracle_acceptance[0],
+        oracle_delay_ms=options.oracle_delay_ms,
+        oracle_seed=options.oracle_seed,
+        provider=options.provider,
+        work_dir=work,
+        startup_timeout=options.startup_timeout,
+    )
+    result = asyncio.run(run_concurrency(concurrency))
+    out = args.out or default_result_path("concurrency")
+    write_json(result, out)
+    print(render(result))
+    print(f"\nraw results: {out}")
+    return 1 if any(row["errors"] for row in result["rows"]) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

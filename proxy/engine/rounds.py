@@ -187,7 +187,7 @@ class Rounds:
         plan = self.slots.first_round(one_slot) if first else FirstRound()
         room = loop.text.remaining()
         round_ = _Round(started, self.prompt + loop.text.tokens, room, plan)
-        round_.k = max(0, min(self.k_max, room - 1)) if plan.drafts else 0
+        round_.k = max(0, min(self.policies.k_cap(self.k_max), room - 1)) if plan.drafts else 0
         return round_
 
     async def _draft(self, loop: LoopState, round_: _Round) -> None:

@@ -10,7 +10,7 @@ requests of one kind): `SharedPolicies.build` makes them from the settings, and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from proxy.policies.draft_length import DraftLengthPolicy, LengthRule
 from proxy.policies.overlap import OverlapMode, OverlapPolicy
@@ -21,6 +21,18 @@ if TYPE_CHECKING:
     from proxy.data.sampling import SamplingSpec
 
 
+class SlotGrant(Protocol):
+    """A generation's share of the server's slots (`proxy.slot_share.StreamLease`)."""
+
+    def grant(self) -> int:
+        """Drafts the next round may verify; 0: yield to other streams."""
+        ...
+
+    def hold(self, extra: int) -> None: ...
+
+    def alone(self) -> bool: ...
+
+
 @dataclass
 class Policies:
     """The policies one generation asks (`SharedPolicies.for_request`)."""
@@ -28,10 +40,24 @@ class Policies:
     draft_length: DraftLengthPolicy
     overlap: OverlapPolicy
     plain_runs: PlainRunGate | None = None  # None: always speculate
+    slots: SlotGrant | None = None  # None: the generation has the server to itself
 
     def plain_run_tokens(self) -> int:
-        """Tokens the server should decode alone next; 0: a speculative round."""
-        return 0 if self.plain_runs is None else self.plain_runs.decide()
+        """Tokens the server should decode alone next; 0: a speculative round. Where
+        other streams need the slots (`slots.grant()` 0), a plain run: the generation
+        yields, and speculates again once they are gone."""
+        if self.plain_runs is None:
+            return 0
+        if self.slots is not None and self.slots.grant() == 0:
+            return self.plain_runs.run_tokens
+        n = self.plain_runs.decide()
+        if n and self.slots is not None:
+            self.slots.hold(0)  # one slot for the run
+        return n
+
+    def k_cap(self, k_max: int) -> int:
+        """The most drafts the next round may verify, given the other streams."""
+        return k_max if self.slots is None else min(k_max, self.slots.grant())
 
     def prefers_plain(self) -> bool:
         """Plain runs are the measured choice right now."""
@@ -51,8 +77,9 @@ class Policies:
             self.plain_runs.observe_drafter(ms_per_token)
 
     def observe(self, record: RoundRecord) -> None:
-        """A round ended: the draft-length policy and the plain-run gate learn from it."""
-        if self.plain_runs is not None:
+        """A round ended: the draft-length policy and the plain-run gate learn from it
+        (the gate only from rounds without other streams: it compares rates alone)."""
+        if self.plain_runs is not None and (self.slots is None or self.slots.alone()):
             self.plain_runs.observe(record)
         self.draft_length.observe(record)
 
@@ -101,9 +128,12 @@ class SharedPolicies:
             return self.plain_runs
         return None if sampling.seed is not None else self.sampled_plain_runs
 
-    def for_request(self, sampling: SamplingSpec | None) -> Policies:
-        """What a generation of this kind (greedy, or `sampling`) asks."""
-        return Policies(self.draft_length, self.overlap, self.gate_for(sampling))
+    def for_request(
+        self, sampling: SamplingSpec | None, slots: SlotGrant | None = None
+    ) -> Policies:
+        """What a generation of this kind (greedy, or `sampling`) asks; `slots`: its
+        share of the server's slots (None: the server to itself)."""
+        return Policies(self.draft_length, self.overlap, self.gate_for(sampling), slots)
 
 
 __all__ = [
@@ -115,4 +145,5 @@ __all__ = [
     "Policies",
     "RunMode",
     "SharedPolicies",
+    "SlotGrant",
 ]

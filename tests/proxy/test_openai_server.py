@@ -11,8 +11,9 @@ import pytest
 from proxy.api import ProxyState, create_app
 from proxy.engine.drafting import DrafterBase
 from proxy.metrics import ProxyMetrics
-from proxy.scheduler import SlotScheduler
+from proxy.policies.load import LoadGate, LoadMeasures
 from proxy.server.upstream import UpstreamClient
+from proxy.slot_share import SlotShare
 from tests.proxy.conftest import run_proxy
 from tests.proxy.helpers import (
     assert_greedy_equal,
@@ -175,10 +176,14 @@ async def test_four_concurrent_conversations_each_equal_to_solo(
         for i, p in enumerate(prompts)
     ]
     solo = [await post_json(http, ref_server + "/completion", b) for b in bodies]
-    async with run_proxy(spec_server, reference_drafter, 2) as proxy:
-        assert proxy.state.scheduler.n_groups >= 4
+    # a load gate that measured batching as free: all four speculate at once (by
+    # default only the first would, the others passing through to llama-server)
+    free_batches = LoadGate("auto", lambda: LoadMeasures(10.0, 5.0, 0.0))
+    share = SlotShare(13, 3, gate=free_batches)  # the spec server's 13 slots, k=2
+    async with run_proxy(spec_server, reference_drafter, 2, scheduler=share) as proxy:
         results = await asyncio.gather(*(proxy.post("/completion", b) for b in bodies))
-        assert proxy.state.scheduler.active == 0
+        assert share.idle()
+        assert sum(1 for e, _ in share.events if e == "speculative") == 4
     for prompt, expected, (status, got, headers) in zip(prompts, solo, results, strict=True):
         assert status == 200 and headers["X-Npu-Spec"] == "speculative"
         tokens = await tokenize(http, ref_server, prompt)
@@ -217,7 +222,7 @@ async def test_unreachable_upstream_is_503_naming_it():
     state = ProxyState(
         upstream=upstream,
         settings=proxy_settings(dead, k=1),
-        scheduler=SlotScheduler(4, 2),
+        scheduler=SlotShare(4, 2),
         metrics=ProxyMetrics(),
         props=props,
         open_drafter=lambda: None,

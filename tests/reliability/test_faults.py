@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 
 from proxy.config import ProxySettings
-from proxy.scheduler import SlotScheduler
 from proxy.serve_cmd import serve
 from proxy.server.llama_server import free_port
 from proxy.server.upstream import Timeouts
+from proxy.slot_share import SlotShare
 from tests.proxy.helpers import assert_greedy_equal, post_json, tokenize
 from tests.reliability.tools import (
     DrafterCounter,
@@ -318,7 +318,8 @@ async def test_client_disconnect_at_each_point_releases_everything(
     request, spec_server, reference_drafter
 ):
     slow = DrafterCounter(reference_drafter, delay_s=0.05)  # time spent inside drafting
-    one_group = SlotScheduler(3, 3)  # k=2: one group, so a second request queues
+    # k=2: three slots, one stream at a time, so a second request queues
+    one_group = SlotShare(3, 3, max_streams=1)
     async with proxy_for(spec_server, slow, k=2, scheduler=one_group) as proxy:
         for point, (extra, after_bytes, wait_s) in DISCONNECTS.items():
             body = {"prompt": "Tell me", "n_predict": LONG, "temperature": 0, **extra}

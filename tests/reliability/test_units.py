@@ -18,11 +18,11 @@ from proxy.engine import EngineSettings
 from proxy.engine.drafting import DrafterBase
 from proxy.engine.proposer import Proposer
 from proxy.metrics import ProxyMetrics
-from proxy.scheduler import SlotScheduler
 from proxy.serve_cmd import redact_url
 from proxy.server.llama_server import free_port
 from proxy.server.managed import ServerSupervisor
 from proxy.server.upstream import UpstreamClient
+from proxy.slot_share import SlotShare
 from tests.proxy.helpers import proxy_settings
 from tests.reliability.tools import REPO, sse_events
 
@@ -188,7 +188,7 @@ def _state(url: str) -> ProxyState:
     props = {"default_generation_settings": {"params": {}, "n_ctx": 512}}
     return ProxyState(
         upstream=UpstreamClient(url), settings=proxy_settings(url, k=1),
-        scheduler=SlotScheduler(2, 2), metrics=ProxyMetrics(), props=props,
+        scheduler=SlotShare(2, 2), metrics=ProxyMetrics(), props=props,
         open_drafter=None, settings_template={},
     )  # fmt: skip
 

@@ -257,7 +257,7 @@ class Proxy:
     def idle(self) -> bool:
         state = self.state
         drafters = state.drafters.sessions_open if state.drafters is not None else 0
-        return state.scheduler.active == 0 and state.scheduler.queued == 0 and drafters == 0
+        return state.scheduler.idle() and drafters == 0
 
 
 @contextlib.asynccontextmanager
