@@ -663,7 +663,7 @@ def test_the_formula_sweeps_every_length_then_explores_beside_its_choice():
     from proxy.policies.draft_length import _EXPLORE_EVERY, _MIN_ROUNDS, _SWEEP_SAMPLES
 
     policy = DraftLengthPolicy(6)
-    sent = play(policy, 80, STEEP, 0.77)
+    sent = play(policy, 400, STEEP, 0.77)
     assert sent[:_MIN_ROUNDS] == [6] * _MIN_ROUNDS  # nothing measured: every draft
     sweep = sent[_MIN_ROUNDS : _MIN_ROUNDS + _SWEEP_SAMPLES * 6]
     assert all(sweep.count(n) >= _SWEEP_SAMPLES for n in range(1, 6))
@@ -677,8 +677,24 @@ def test_the_formula_sweeps_every_length_then_explores_beside_its_choice():
     explored = [
         k for i, k in enumerate(later) if k != later[i - 1] and k != later[(i + 1) % len(later)]
     ]
-    assert explored and len(explored) <= len(later) // _EXPLORE_EVERY + 1
-    assert all(abs(k - chosen) == 1 for k in explored)
+    # neighbours that lose much are tried less often than every _EXPLORE_EVERY rounds
+    assert explored and len(explored) < len(later) // _EXPLORE_EVERY
+    settled = later[later.index(chosen) :]
+    assert all(abs(k - chosen) == 1 for k in settled if k != chosen)
+
+
+def test_a_neighbour_that_loses_much_is_explored_less_often():
+    policy = DraftLengthPolicy(6)
+    play(policy, 60, STEEP, 0.77)
+    policy._successes, policy._failures = 0.77, 0.23
+    policy._best = policy._two = None
+    chosen = policy.length(True)
+    assert policy._explore_spacing(True, chosen, chosen) == 1
+    near, far = (
+        policy._explore_spacing(True, chosen, chosen + 1),
+        policy._explore_spacing(True, chosen, 6),
+    )
+    assert 1 <= near < far <= 16
 
 
 def test_a_fixed_length_never_explores():
