@@ -13,10 +13,10 @@ import aiohttp
 import openai
 import pytest
 
+from npu_draft.llama_source import source_dir
 from proxy.api.tool_calls import ToolTriggers
 from proxy.server.llama_server import LlamaServerProcess
 from proxy.server.managed import managed_server
-from proxy.server.server_install import source_dir
 from tests.proxy.client_bodies import greedy_client_bodies, web_ui
 from tests.proxy.conftest import CTX, LOG_DIR, SPEC_LAYOUT, run_proxy
 from tests.proxy.helpers import chat_prompt_tokens, parse_sse, post_json, server_pair, stable_length
