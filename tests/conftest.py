@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from proxy.server.llama_server import LlamaServerProcess, find_llama_server
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = REPO / ".cache" / "test-models"
 LOG_DIR = REPO / ".cache" / "test-logs"
+STALE_MODELS_S = 6 * 3600  # another factory's model set unused this long is dropped
 # Threads per test llama-server: CI has two cores shared by server and tests.
 SERVER_THREADS = os.environ.get("NPU_SPEC_TEST_THREADS", "2")
 
@@ -50,14 +52,21 @@ def cached_models(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "manifest.json").is_file():
             _make_cached(out, draft, target_shape, seed, eos_boost)
+        else:
+            os.utime(out)  # in use: another checkout's cleanup leaves it alone
     return out
 
 
 def _make_cached(out: Path, draft: str, target_shape: str, seed: int, eos_boost: float) -> None:
-    # Sets made by an older factory are never used again (~1.3 GB each): drop them.
+    # Sets made by another factory (~1.3 GB each) are dropped once unused for a while;
+    # one in use by another checkout sharing this cache (a worktree) is kept
     fingerprint = _factory_fingerprint()
     for stale in MODEL_CACHE.iterdir():
-        if stale.is_dir() and not stale.name.removesuffix(".partial").endswith(fingerprint):
+        if (
+            stale.is_dir()
+            and not stale.name.removesuffix(".partial").endswith(fingerprint)
+            and time.time() - stale.stat().st_mtime > STALE_MODELS_S
+        ):
             shutil.rmtree(stale, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     tmp = out.with_name(out.name + ".partial")
