@@ -72,7 +72,7 @@ async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         yield buffer
 
 
-async def _events(stream: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+async def stream_events(stream: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
     """The JSON events of an SSE stream, up to `data: [DONE]` where one is sent."""
     async for raw in _lines(stream):
         line = raw.strip()
@@ -147,7 +147,7 @@ async def stream_completion(
         if response.status != 200:
             raise RuntimeError(f"/completion answered {response.status}: {await response.text()}")
         header = response.headers.get(SPEC_HEADER)
-        async for chunk in _events(response.content):
+        async for chunk in stream_events(response.content):
             new = [int(t) for t in chunk.get("tokens") or []]
             piece = chunk.get("content") or ""
             if new or piece:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import statistics
 import sys
@@ -32,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from npu_draft.oracle import OracleConfig, write_oracle_folder
+from proxy.bench.client import stream_events
 from proxy.server.llama_server import LlamaServerProcess, free_port
 
 log = logging.getLogger(__name__)
@@ -124,24 +124,18 @@ async def _stream_into(
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result
-            buffer, chunks, predicted = b"", 0, None
-            async for piece in response.content.iter_any():
-                buffer += piece
-                while b"\n\n" in buffer:
-                    block, buffer = buffer.split(b"\n\n", 1)
-                    if not block.startswith(b"data: ") or block == b"data: [DONE]":
-                        continue
-                    event = json.loads(block[6:])
-                    if "error" in event:
-                        result.error = str(event["error"])
-                        continue
-                    if event.get("content"):
-                        if result.ttft_s is None:
-                            result.ttft_s = time.perf_counter() - started
-                        result.text += event["content"]
-                        chunks += 1
-                    if event.get("stop"):
-                        predicted = (event.get("timings") or {}).get("predicted_n")
+            chunks, predicted = 0, None
+            async for event in stream_events(response.content):
+                if "error" in event:
+                    result.error = str(event["error"])
+                    continue
+                if event.get("content"):
+                    if result.ttft_s is None:
+                        result.ttft_s = time.perf_counter() - started
+                    result.text += event["content"]
+                    chunks += 1
+                if event.get("stop"):
+                    predicted = (event.get("timings") or {}).get("predicted_n")
             result.tokens = int(predicted) if predicted else chunks
     except aiohttp.ServerDisconnectedError:
         if result.ttft_s is None:

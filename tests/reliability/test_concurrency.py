@@ -6,11 +6,11 @@ Order of events is asserted, never timings."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
 
+from proxy.bench.client import stream_events
 from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP, top2_gap
 from proxy.slot_share import SlotShare
 from tests.proxy.helpers import assert_greedy_equal, post_json, tokenize
@@ -33,19 +33,12 @@ async def _stream(
         header = response.headers.get("X-Npu-Spec", "")
         tokens: list[int] = []
         text = ""
-        buffer = b""
-        async for chunk in response.content.iter_any():
-            buffer += chunk
-            while b"\n\n" in buffer:
-                block, buffer = buffer.split(b"\n\n", 1)
-                if not block.startswith(b"data: ") or block == b"data: [DONE]":
-                    continue
-                event = json.loads(block[6:])
-                assert "error" not in event, event
-                if event.get("tokens") and not tokens:
-                    log.append(("first", name))
-                tokens += event.get("tokens", [])
-                text += event.get("content", "")
+        async for event in stream_events(response.content):
+            assert "error" not in event, event
+            if event.get("tokens") and not tokens:
+                log.append(("first", name))
+            tokens += event.get("tokens", [])
+            text += event.get("content", "")
         log.append(("end", name))
         return header, tokens, text
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,7 @@ def span_slopes(result: dict[str, Any], variant: str, context: int) -> dict[int,
     return slopes
 
 
-def _slope_by_tokens(plain_slope: float, slopes: dict[int, float]) -> Any:
+def _slope_by_tokens(plain_slope: float, slopes: dict[int, float]) -> Callable[[int], float]:
     """ms per cell for a batch of m tokens: plain decoding's slope at m = 1, rows e's at
     their rounds' token counts, linear between and flat beyond the last."""
     xs = (1, *sorted(m for m in slopes if m > 1))
