@@ -260,10 +260,12 @@ async def run_load(
                 await _prove_near_ties(session, reference.rstrip("/"), turns)
     ok = [t for t in turns if t.error is None]
     errors: dict[str, int] = {}
+    error_examples: dict[str, str] = {}  # the first message of each kind, to say why
     for turn in turns:
         if turn.error is not None:
             key = f"HTTP {turn.status}" if turn.status not in (0, 200) else turn.error[:60]
             errors[key] = errors.get(key, 0) + 1
+            error_examples.setdefault(key, turn.error[:300])
     verified = [t for t in turns if t.solo_equal is not None]
     greedy_tokens = sum(t.n_generated for t in ok if t.route == "/completion")
     return {
@@ -273,6 +275,7 @@ async def run_load(
         "requests": len(turns),
         "succeeded": len(ok),
         "errors": errors,
+        "error_examples": error_examples,
         "http_503": sum(1 for t in turns if t.status == 503),
         "latency_s": percentiles([t.latency_s for t in ok]),
         "ttft_s": percentiles([t.ttft_s for t in ok if t.ttft_s is not None]),
