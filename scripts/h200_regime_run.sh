@@ -11,6 +11,11 @@
 #   strix   the Strix Halo regime files' cells (plain, defaults, k = 2, formula), this host
 #   emulate the same cells on the committed regime file, on this host: needs only the
 #           wheels and the pinned source (the tokenizer), no build and no models
+#   formula the 4k formula cells (X = 0.12, 0.27) three times each, real and emulated on
+#           this host one after the other: is the draft-length rule repeatable?
+#   concurrency  scripts/h200_concurrency_run.sh bench (many users, issue 30)
+#   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
+#   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
 set -euo pipefail
 STAGE="$1"
@@ -94,6 +99,28 @@ case "$STAGE" in
     done
     wait
     for size in 32b 14b; do grep -v "INFO proxy" "/tmp/strix-$size.log" | head -12; done
+    ;;
+  formula)
+    FORMULA=(--context 4k -n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6
+      --repeats 3 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12,0.27
+      --proxy-variant 'spec=--plain-runs off')
+    npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' "${FORMULA[@]}" \
+      --work-dir /tmp/formula1 -o "$OUT/h200-formula-4k.json" | tail -25
+    npu bench --regime proxy/bench/regime/regimes/h200-cuda-14b-f16.toml "${FORMULA[@]}" \
+      --work-dir /tmp/formula2 -o "$OUT/h200-host-formula-4k-emulated.json" | tail -25
+    ;;
+  concurrency)  # issue 30's H200 run (scripts/h200_concurrency_run.sh), here to run it in
+                # the background
+    bash scripts/h200_concurrency_run.sh bench
+    ;;
+  background)  # STAGE: outlives the call; `collect STAGE` fetches its results
+    mkdir -p "/tmp/bg-$2"
+    setsid nohup bash -c "OUT=/tmp/bg-$2 bash scripts/h200_regime_run.sh $2 && touch /tmp/bg-$2.done" \
+      > "/tmp/bg-$2.log" 2>&1 < /dev/null &
+    ;;
+  collect)  # STAGE SECONDS
+    wait_for "/tmp/bg-$2.done" "$3" || { tail -30 "/tmp/bg-$2.log"; exit 1; }
+    grep -v "INFO proxy" "/tmp/bg-$2.log" | tail -45; cp -r "/tmp/bg-$2/." "$OUT/"
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
