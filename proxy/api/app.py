@@ -264,7 +264,7 @@ async def health(request: web.Request) -> web.Response:
     upstream = request.app[STATE].upstream
     timeout = aiohttp.ClientTimeout(total=upstream.timeouts.control)
     try:
-        async with upstream.session.get(upstream.base_url + "/health", timeout=timeout) as answer:
+        async with await upstream.request("GET", "/health", timeout=timeout) as answer:
             body, content_type = await answer.read(), answer.content_type
             status = answer.status
     except TimeoutError:

@@ -10,6 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.api.errors import upstream_error_response
+from proxy.api.guard import parsed_body
 from proxy.server.upstream import UpstreamClient, UpstreamError
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those aiohttp sets itself.
@@ -53,24 +54,23 @@ async def forward(
         body = await request.read()
     drop = _DROP_REQUEST | _CLIENT_AUTH if replace_auth else _DROP_REQUEST
     headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
-    url = upstream.base_url + request.rel_url.raw_path_qs
+    if _asks_for_stream(request):
+        # llama-server closes the connection after every streamed answer although it
+        # says keep-alive (its chunked content provider ends with `false`, which
+        # cpp-httplib takes for a cancel): a pooled copy of it would fail the next
+        # request sent on it. Asked to close, the server says so and none is pooled.
+        headers["Connection"] = "close"
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=upstream.timeouts.connect, sock_read=read_timeout_s
     )
-    for attempt in (1, 2):
-        try:
-            upstream_response = await upstream.session.request(
-                request.method, url, headers=headers, data=body if body else None,
-                timeout=timeout, allow_redirects=False,
-            )  # fmt: skip
-            break
-        except aiohttp.ServerDisconnectedError as exc:
-            # closed before any answer: a pooled keep-alive connection the server had
-            # just dropped (as UpstreamClient._send); nothing was relayed yet, so once more
-            if attempt == 2:
-                return _unreachable(request, upstream, exc)
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            return _unreachable(request, upstream, exc)
+    try:
+        # sent again once, on a new connection, where the server answered nothing
+        upstream_response = await upstream.request(
+            request.method, request.rel_url.raw_path_qs, headers=headers,
+            data=body if body else None, timeout=timeout, allow_redirects=False,
+        )  # fmt: skip
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return _unreachable(request, upstream, exc)
     async with upstream_response:
         response = _mirrored_head(upstream_response)
         await response.prepare(request)
@@ -79,6 +79,11 @@ async def forward(
         await _relay_body(request, upstream_response, response, on_first_chunk)
         await response.write_eof()
         return response
+
+
+def _asks_for_stream(request: web.Request) -> bool:
+    body = parsed_body(request)
+    return isinstance(body, dict) and bool(body.get("stream"))
 
 
 def _unreachable(

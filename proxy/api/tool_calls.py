@@ -120,12 +120,12 @@ async def server_stream(
     upstream: UpstreamClient, body: dict[str, Any]
 ) -> AsyncIterator[dict[str, Any]]:
     """The server's SSE events for a streaming chat request."""
-    async with upstream.session.post(
-        upstream.base_url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        # llama-server may close a connection after a stream: never reuse this one
+    response = await upstream.request(
+        "POST", "/v1/chat/completions", data=json.dumps(body).encode(),
+        # llama-server closes a connection after a stream: never reuse this one
         headers={"Content-Type": "application/json", "Connection": "close"},
-    ) as response:
+    )  # fmt: skip
+    async with response:
         if response.status != 200:
             raise UpstreamError(
                 upstream.base_url, f"the tool call's stream failed (HTTP {response.status})"

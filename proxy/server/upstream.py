@@ -4,11 +4,14 @@ Every call goes through one keep-alive connection pool and has a timeout. Transp
 failures and 5xx answers raise `UpstreamError`, which the API turns into a 502/503
 that names the upstream and the reason; a 4xx answer from the server is a client
 error and comes back as `UpstreamClientError` carrying the server's own JSON body.
+A request the server never answered (the connection it went out on was closed or
+reset first) is sent once more on a new connection: `UpstreamClient.request`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,6 +72,24 @@ def sampling_verify_params(spec: SamplingSpec, seed: int) -> dict[str, Any]:
 
 
 KEEPALIVE_TIMEOUT_S = 4.0  # below cpp-httplib's 5 s server-side keep-alive
+
+log = logging.getLogger(__name__)
+_DROPPED = (
+    aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionResetError
+)  # fmt: skip
+
+
+def unanswered(exc: BaseException) -> bool:
+    """Whether a request failed before the server answered anything because the
+    connection it went out on was closed or reset: a pooled keep-alive connection
+    llama-server had just dropped. aiohttp says so as `ServerDisconnectedError` (the
+    close came while waiting for the answer), as `ClientOSError` "Can not write
+    request body" (it came between the request's head and its body) or as a reset
+    (ECONNRESET, EPIPE). Not a refused connection (the server is not there), not a
+    timeout, not a bad answer."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    return isinstance(exc, _DROPPED)
 
 
 class UpstreamError(Exception):
@@ -141,6 +162,7 @@ class UpstreamClient:
         self.timeouts = timeouts or Timeouts()
         self._pool_size = pool_size
         self._session: aiohttp.ClientSession | None = None
+        self._fresh_session: aiohttp.ClientSession | None = None  # for second attempts
         # llama-server's --api-key; sent on every request, never logged
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._contexts = ContextTextCache()  # JSON text of recent verify contexts
@@ -155,19 +177,41 @@ class UpstreamClient:
             connector = aiohttp.TCPConnector(
                 limit=self._pool_size, keepalive_timeout=KEEPALIVE_TIMEOUT_S
             )
-            # auto_decompress off: pass-through must hand bodies on byte for byte.
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                raise_for_status=False,
-                headers=self._headers,
-            )
+            self._session = self._new_session(connector)
         return self._session
 
+    def _new_session(self, connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+        # auto_decompress off: pass-through must hand bodies on byte for byte.
+        return aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            raise_for_status=False,
+            headers=self._headers,
+        )
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> aiohttp.ClientResponse:
+        """Send one request; returns once the answer's head is in (the caller reads the
+        body and releases the response: `async with`). A request the server never
+        answered (`unanswered`) is sent once more, on a new connection, so it cannot
+        meet a second dropped one from the pool; nothing came back the first time, so
+        nothing can have reached a client. The second attempt's failure is raised."""
+        url = self.base_url + path
+        try:
+            return await self.session.request(method, url, **kwargs)
+        except aiohttp.ClientError as exc:
+            if not unanswered(exc):
+                raise
+            log.info("%s %s: %r before any answer; sent again on a new connection",
+                     method, path, exc)  # fmt: skip
+        if self._fresh_session is None or self._fresh_session.closed:
+            self._fresh_session = self._new_session(aiohttp.TCPConnector(force_close=True))
+        return await self._fresh_session.request(method, url, **kwargs)
+
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        for session in (self._session, self._fresh_session):
+            if session is not None and not session.closed:
+                await session.close()
+        self._session = self._fresh_session = None
 
     async def __aenter__(self) -> UpstreamClient:
         return self
@@ -183,20 +227,14 @@ class UpstreamClient:
     async def _send(
         self, method: str, path: str, data: Any, headers: dict[str, str] | None, timeout: float
     ) -> tuple[int, bytes]:
-        """One request, sent again once where the server closed the connection before
-        answering: a pooled keep-alive connection the server had just dropped. Every
-        call the proxy makes is safe to repeat (tokenize, verify, slot actions, metrics)."""
-        for attempt in (1, 2):
-            try:
-                async with self.session.request(
-                    method, self.base_url + path, data=data, headers=headers,
-                    timeout=self._timeout(timeout),
-                ) as response:  # fmt: skip
-                    return response.status, await response.read()
-            except aiohttp.ServerDisconnectedError:
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        """One request and its whole answer (sent again once where the server never
+        answered: `request`). Every call the proxy makes here is safe to repeat
+        (tokenize, verify, slot actions, metrics)."""
+        response = await self.request(
+            method, path, data=data, headers=headers, timeout=self._timeout(timeout)
+        )
+        async with response:
+            return response.status, await response.read()
 
     async def _request_json(
         self, method: str, path: str, body: Any = None, timeout: float | None = None
