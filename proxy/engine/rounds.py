@@ -234,6 +234,8 @@ class Rounds:
     async def _after_commit(self, loop: LoopState, round_: _Round) -> None:
         """A first round's slot copies, and the slot the other slots lag behind."""
         first = round_.results[0]
+        if round_.plan.replicate or round_.plan.one_slot:
+            self.slots.observe_first_round(first.server_ms, first.prompt_n)
         if round_.plan.replicate and not loop.text.finished:
             await self.slots.after_first_round(first.id_slot, first.cached)
         if loop.first_round_end is None:

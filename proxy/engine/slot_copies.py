@@ -16,6 +16,11 @@ from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamE
 log = logging.getLogger(__name__)
 
 _PASSING = (503, 504)  # UpstreamError statuses of a failure worth trying again later
+_RATE_ALPHA = 0.3  # weight of the newest measurement in the running rates
+
+
+def _running(old: float | None, new: float) -> float:
+    return new if old is None else old + _RATE_ALPHA * (new - old)
 
 
 class SlotReplicator:
@@ -28,16 +33,44 @@ class SlotReplicator:
         self.upstream = upstream
         self.min_prompt = min_prompt  # shorter prompts prefill in the batch just as well
         self.available = True  # False once the server refused (no --slot-save-path)
+        # measured on this server, per context token: a slot save (the server's own
+        # timing) and a one-slot prefill (a first round's); None until measured
+        self.save_ms_per_token: float | None = None
+        self.prefill_ms_per_token: float | None = None
 
     def worth_copying(self, n_fresh: int) -> bool:
         """Copy a slot only when its prefill would cost the others more than a copy."""
         return n_fresh >= self.min_prompt
 
+    def observe_prefill(self, server_ms: float, n_tokens: int) -> None:
+        """A one-slot prefill of `n_tokens` took `server_ms` inside the server."""
+        if n_tokens >= self.min_prompt and server_ms > 0:
+            self.prefill_ms_per_token = _running(self.prefill_ms_per_token, server_ms / n_tokens)
+
+    def reuse_pays(self, gap: int, copies: int, n_context: int) -> bool:
+        """Whether restoring a file saved `gap` tokens ago, and letting `copies` slots
+        prefill those tokens in the next verify batch, costs less than saving the whole
+        context of `n_context` tokens anew first. On the H200 (14B f16) a save costs
+        0.150 ms a token and a prefill 0.074 a token and slot, so at 4k a new save (0.6
+        s) costs more than most gaps; on a CPU a save is nearly free and a prefill is
+        not (docs/BENCHMARKS.md, "Measurements behind design choices"). Unmeasured
+        rates: save."""
+        save, prefill = self.save_ms_per_token, self.prefill_ms_per_token
+        if save is None or prefill is None or gap < 0:
+            return False
+        return gap * copies * prefill < n_context * save
+
     async def replicate(
-        self, id_slot: int, copies: int, filename: str, keep: Collection[int] = ()
+        self,
+        id_slot: int,
+        copies: int,
+        filename: str,
+        keep: Collection[int] = (),
+        save: bool = True,
     ) -> list[int]:
         """Copy slot `id_slot` into up to `copies` idle slots, none of `keep`; returns
-        the ids restored (nothing is saved where no slot is free)."""
+        the ids restored (nothing is saved where no slot is free). `save` False:
+        restore `filename` as it is (saved earlier by the same generation)."""
         if not self.available or copies <= 0 or id_slot < 0:
             return []
         restored: list[int] = []
@@ -49,7 +82,8 @@ class SlotReplicator:
             ][:copies]  # fmt: skip
             if not targets:
                 return []
-            await self.upstream.slot_action(id_slot, "save", filename)
+            if save:
+                self._observe_save(await self.upstream.slot_action(id_slot, "save", filename))
             for target in targets:
                 await self.upstream.slot_action(target, "restore", filename)
                 restored.append(target)
@@ -62,6 +96,17 @@ class SlotReplicator:
                 self.available = False
                 log.warning("slot save/restore unavailable (%s); prefilling in the batch", exc)
         return restored
+
+    def _observe_save(self, answer: object) -> None:
+        """The server's own timing of a save (`timings.save_ms` over `n_saved`)."""
+        if not isinstance(answer, dict):
+            return
+        timings = answer.get("timings")
+        n_saved = answer.get("n_saved")
+        if isinstance(timings, dict) and isinstance(n_saved, int) and n_saved >= self.min_prompt:
+            save_ms = timings.get("save_ms")
+            if isinstance(save_ms, (int, float)):
+                self.save_ms_per_token = _running(self.save_ms_per_token, save_ms / n_saved)
 
     async def erase_idle(self, slots: set[int]) -> list[int]:
         """Empty the caches of those of `slots` that are idle now (a busy one may serve
@@ -116,6 +161,9 @@ class SlotCopies:
         # the context prefix that the slots it has not touched are taken to hold (what
         # its first round found cached; nothing after a cold start)
         self.others_hold = 0
+        # context tokens in the slot file as this generation last saved it (None: not
+        # saved yet; the file may hold another generation's context)
+        self.saved_at: int | None = None
 
     def first_round(self, one_slot: bool) -> FirstRound:
         """The plan of a first round that has a drafter: one slot is prefilled (and
@@ -132,19 +180,26 @@ class SlotCopies:
         )
         return FirstRound(replicate=replicate)
 
+    def observe_first_round(self, server_ms: float, n_fresh: int) -> None:
+        """A first round prefilled `n_fresh` tokens in one slot in `server_ms`."""
+        if self.replicator is not None:
+            self.replicator.observe_prefill(server_ms, n_fresh)
+
     async def after_first_round(self, id_slot: int, n_cached: int) -> None:
         """Copy the slot the first round prefilled. A new turn of a conversation whose
         slots already hold its history has little to copy: the other slots catch up in
         the next batch."""
         self.others_hold = n_cached
-        await self._copy(id_slot, self.slots_to_copy(), self.n_prompt - n_cached)
+        await self._copy(
+            id_slot, self.slots_to_copy(), self.n_prompt - n_cached, n_context=self.n_prompt
+        )
 
     async def catch_up(self, lag: int, n_context: int) -> None:
         """Before speculating after plain runs (or after a first round that prefilled
         one slot): copies of the slot that holds the context, where copying is on and
         the others lag by enough tokens to be worth it."""
         self.others_hold = n_context - lag
-        await self._copy(self.fullest, self.slots_to_copy(), lag)
+        await self._copy(self.fullest, self.slots_to_copy(), lag, n_context=n_context)
 
     async def warm_for(self, n_prompts: int, n_context: int) -> bool:
         """Before a verify batch of `n_prompts` prompts over `n_context` tokens: where
@@ -159,23 +214,34 @@ class SlotCopies:
         if missing <= 0:
             return False
         copied = await self._copy(
-            self.fullest, missing, n_context - self.others_hold, keep=self.touched
-        )
+            self.fullest, missing, n_context - self.others_hold, keep=self.touched,
+            n_context=n_context,
+        )  # fmt: skip
         return bool(copied)
 
     async def _copy(
-        self, id_slot: int, copies: int, lag: int, keep: Collection[int] = ()
+        self, id_slot: int, copies: int, lag: int, n_context: int, keep: Collection[int] = ()
     ) -> list[int]:
-        """Copy `id_slot` into up to `copies` other slots (none of `keep`) where copying
-        is on and the slots to fill lag by enough tokens to be worth it; they count as
-        touched."""
+        """Copy `id_slot` (holding about `n_context` tokens) into up to `copies` other
+        slots (none of `keep`) where copying is on and the slots to fill lag by enough
+        tokens to be worth it; they count as touched. Where this generation saved the
+        slot file before and the measured rates say so, the file is restored as it is
+        and the slots prefill what it lacks in the next batch: a second save of a long
+        context costs more than that (`SlotReplicator.reuse_pays`)."""
         replicator = self.replicator
         if (
             replicator is None or not replicator.available or id_slot < 0
             or not replicator.worth_copying(lag)
         ):  # fmt: skip
             return []
-        copied = await replicator.replicate(id_slot, copies, self.slot_file, keep=set(keep))
+        reuse = self.saved_at is not None and replicator.reuse_pays(
+            n_context - self.saved_at, copies, n_context
+        )
+        copied = await replicator.replicate(
+            id_slot, copies, self.slot_file, keep=set(keep), save=not reuse
+        )
+        if copied and not reuse:
+            self.saved_at = n_context
         self.touched.update(copied)
         return copied
 

@@ -457,6 +457,8 @@ class SlotServer:
     def __init__(self, fail_on: tuple[tuple[int, str], Exception] | None = None) -> None:
         self.actions: list[tuple[int, str]] = []
         self.fail_on = fail_on
+        self.n_saved = 300  # tokens a save reports
+        self.save_ms_per_token = 0.15  # what it reports a save took (the H200's rate)
 
     async def slots(self):
         return [{"id": i, "is_processing": i == 5} for i in range(7)]
@@ -465,6 +467,12 @@ class SlotServer:
         if self.fail_on is not None and self.fail_on[0] == (id_slot, action):
             raise self.fail_on[1]
         self.actions.append((id_slot, action))
+        if action == "save":  # llama-server's answer, timings included
+            return {
+                "id_slot": id_slot,
+                "n_saved": self.n_saved,
+                "timings": {"save_ms": self.save_ms_per_token * self.n_saved},
+            }
         return {}
 
 
@@ -522,3 +530,51 @@ async def test_a_passing_copy_failure_keeps_copies_on_and_counts_the_slots_resto
     server.fail_on = ((2, "save"), refusal)
     assert not await copies.warm_for(5, 300)
     assert not copies.replicator.available
+
+
+async def test_a_later_copy_restores_the_generations_own_file_where_a_new_save_costs_more():
+    """H200 rates (save 0.150 ms a token, prefill 0.074 a token and slot): at 4k a
+    second save costs 0.6 s, while two slots prefilling the 100 tokens the first
+    file lacks cost ~15 ms; so the file is restored as it is. A gap as long as the
+    context is worth a new save."""
+    server = SlotServer()
+    server.n_saved = 4096
+    copies = slot_copies(server, n_prompt=4096)
+    copies.observe_first_round(server_ms=0.074 * 4096, n_fresh=4096)
+    await copies.after_first_round(0, n_cached=0)
+    assert server.actions == [(0, "save"), (1, "restore")] and copies.saved_at == 4096
+    copies.used([0, 1], fullest=1)
+    assert await copies.warm_for(4, 4096 + 100)
+    assert server.actions[2:] == [(2, "restore"), (3, "restore")]  # no second save
+    assert copies.saved_at == 4096
+
+
+async def test_where_a_save_is_cheap_every_copy_saves_the_context_anew():
+    """A CPU's rates (a save of 3,000 tokens in 5 ms, a prefill 0.1 ms a token)."""
+    server = SlotServer()
+    server.n_saved, server.save_ms_per_token = 3000, 5.0 / 3000
+    copies = slot_copies(server, n_prompt=3000)
+    copies.observe_first_round(server_ms=300.0, n_fresh=3000)
+    await copies.after_first_round(0, n_cached=0)
+    copies.used([0, 1], fullest=1)
+    assert await copies.warm_for(4, 3000 + 100)
+    assert server.actions == [
+        (0, "save"),
+        (1, "restore"),
+        (1, "save"),
+        (2, "restore"),
+        (3, "restore"),
+    ]
+    assert copies.saved_at == 3100
+
+
+def test_reusing_a_file_needs_both_rates_measured():
+    from proxy.engine import SlotReplicator
+
+    replicator = SlotReplicator(SlotServer(), min_prompt=64)
+    assert not replicator.reuse_pays(gap=10, copies=1, n_context=4096)
+    replicator.observe_prefill(server_ms=300.0, n_tokens=4096)
+    assert not replicator.reuse_pays(gap=10, copies=1, n_context=4096)  # no save timed
+    replicator._observe_save({"n_saved": 3000, "timings": {"save_ms": 5.0}})  # a CPU's
+    assert not replicator.reuse_pays(gap=100, copies=3, n_context=3000)
+    assert replicator.reuse_pays(gap=0, copies=3, n_context=3000)
