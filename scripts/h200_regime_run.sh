@@ -43,7 +43,7 @@ case "$STAGE" in
     mkdir -p "$dest"
     npu verify-cost --target /tmp/m14/target.gguf --variant 'base=-ngl 99 -fa on' \
       --context 512,4k -k 1,2,3,4,6 --new-tokens 1,2,3,4,5,6,7,8,9,11,13,16,24,32,48,64 \
-      --parts a,b,c,d,e,f --np-ks none --repeats 8 --warmup 2 --work-dir /tmp/vc \
+      --parts a,b,c,d,e,f,g --np-ks none --repeats 8 --warmup 2 --work-dir /tmp/vc \
       -o "$dest/h200-verify-cost.json" | tail -45
     python3 -m proxy.bench.regime.build "$dest/h200-verify-cost.json" --name h200-cuda-14b-f16 \
       --description "NVIDIA H200, CUDA, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on" \

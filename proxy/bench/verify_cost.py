@@ -23,7 +23,12 @@ ids (the cost of a pass does not depend on which tokens it sees):
 - f: a cold start's parts: one slot prefilling the whole context (fresh token ids,
   the server's prompt_ms), saving it and restoring it into another slot (each
   action's wall ms and the server's own save_ms / restore_ms). The regime server's
-  files take their prefill and copy costs from this row.
+  files take their prefill and copy costs from this row;
+- g: the same with every other slot holding a stale context of the same length, as
+  when a new request comes after earlier ones filled the slots: with unified KV the
+  prefill's queries may attend over every cell of the pool, and a save or restore
+  works over the whole pool. Against f it gives the cost per cell of the pool's span
+  of a 512-token micro-batch and of the slot actions.
 
 Every timed request is bracketed by /metrics reads, so each row says how many
 llama_decode calls a round took (must be 1) and how many prompt tokens the server
@@ -74,7 +79,7 @@ from proxy.server.upstream import (
 log = logging.getLogger(__name__)
 
 SCHEMA = "npu-spec-verify-cost/1"
-PARTS = ("a", "b", "c", "d", "e", "f")
+PARTS = ("a", "b", "c", "d", "e", "f", "g")
 DECODES = "llamacpp:n_decode_total"
 PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
@@ -271,12 +276,16 @@ class Bench:
             )
         return samples
 
-    async def copies(self, context: int, slots: int) -> list[dict[str, Any]]:
+    async def copies(
+        self, context: int, slots: int, stale: list[int] | None = None
+    ) -> list[dict[str, Any]]:
         """f: cold prefill of `context` fresh tokens in slot 0 (every slot empty), save,
-        restore into slot 1."""
+        restore into slot 1; g (`stale`): every slot but 0 holds `stale` first."""
         samples = []
         for i in range(self.options.warmup + self.options.repeats):
             await self.erase_all(slots)
+            if stale is not None:
+                await self.fill(list(range(1, slots)), stale, "stale.bin")
             body = {
                 "prompt": self.tokens(context), "id_slot": 0, **GREEDY_VERIFY_PARAMS,
                 "response_fields": VERIFY_FIELDS,
@@ -454,6 +463,10 @@ class Session:
             if "f" in o.parts:
                 samples = await bench.copies(context, slots)
                 self._row(variant, context, "f", "f: cold prefill, save, restore", slots, samples)
+            if "g" in o.parts:
+                samples = await bench.copies(context, slots, stale=stale)
+                self._row(variant, context, "g", "g: f, other slots full", slots, samples,
+                          idle_slots="full")  # fmt: skip
             for k in o.ks if "e" in o.parts else []:
                 await bench.erase_all(slots)
                 await bench.fill(list(range(k + 1, slots)), stale, "stale.bin")
@@ -646,7 +659,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="e: for these k, -np k+1 vs --np-large with idle slots full ('none' skips)",
     )
     parser.add_argument(
-        "--parts", type=_parts, default=list(PARTS), help="comma list of a,b,c,d,e,f"
+        "--parts", type=_parts, default=list(PARTS), help="comma list of a,b,c,d,e,f,g"
     )
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per row")

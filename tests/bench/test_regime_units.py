@@ -8,7 +8,7 @@ import tomllib
 import pytest
 
 from proxy.bench.regime.__main__ import parser, split_known
-from proxy.bench.regime.build import span_slopes
+from proxy.bench.regime.build import decode_table, slot_fit, span_slopes
 from proxy.bench.regime.http_api import _pick
 from proxy.bench.regime.kv_pool import N_PAD, KvPool, padded_span
 from proxy.bench.regime.prompt_cache import PromptCache, common_prefix
@@ -151,3 +151,41 @@ def test_the_prompt_cache_saves_a_pushed_out_prompt_and_gives_it_back() -> None:
     assert loaded == first and charge == pytest.approx(10.0)
     assert cache.load(other, [*first, 7]) == (None, 0.0)  # a load takes the entry out
     assert cache.load([], list(range(5000, 5100)) + [9] * 400) == (None, 0.0)  # keeps < 1/4
+
+
+def _cold_rows(part: str, context: int, server_ms: float, save: float, restore: float) -> dict:
+    return {
+        "part": part, "variant": "v", "context": context, "np": 9,
+        "server_ms_median": server_ms,
+        "samples": [{"save_wall_ms": save, "restore_wall_ms": restore}],
+    }  # fmt: skip
+
+
+def test_rows_g_against_f_give_the_span_cost_of_a_prefill_and_of_slot_actions() -> None:
+    """A cold prefill and a copy with every other slot full (g) against the same alone
+    (f): the extra ms over the other slots' cells is the cost per cell of the span."""
+    f_low, f_high = (
+        _cold_rows("f", 512, 37.0, 77.0, 18.0),
+        _cold_rows("f", 4096, 304.0, 616.0, 146.0),
+    )
+    g_high = {
+        **_cold_rows("g", 4096, 304.0 + 8 * 8 * 4096 * 0.002, 616.0 + 32.768, 146.0),
+        "idle_slots": "full",
+    }
+    a = [
+        {"part": "a", "variant": "v", "context": c, "ms_median": 9.4 + c / 1e5} for c in (512, 4096)
+    ]
+    result = {
+        "rows": [*a, f_low, f_high, g_high],
+        "options": {"plain_tokens": 64, "warmup": 1, "repeats": 4},
+    }
+    decode, _, prefill = decode_table(result, "v")
+    assert decode.tokens[-1] == 512
+    assert decode.per_kcell_ms[-1] == pytest.approx(2.0)  # ms per 1000 cells of span
+    assert "g against f" in prefill["prefill ms"]
+    slots = slot_fit({"rows": [f_low, f_high, g_high]}, "v")
+    assert slots["save_ms_per_span_kcell"] == pytest.approx(1.0, abs=1e-3)
+    assert slots["restore_ms_per_span_kcell"] == 0.0
+    cost = SlotCost(save_ms_per_ktoken=150.0, save_ms_per_span_kcell=1.0)
+    assert cost.save_ms(4096, span=9 * 4096) == pytest.approx(150.0 * 4.096 + 8 * 4.096)
+    assert cost.save_ms(4096) == pytest.approx(150.0 * 4.096)

@@ -78,6 +78,7 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
         "e: k=2, -np 4, idle slots full",
         "e: k=1, -np 2",
         "f: cold prefill, save, restore",
+        "g: f, other slots full",
     }
     for row in result["rows"]:
         assert row["variant"] == "base" and row["context"] == 128
@@ -90,6 +91,10 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
     (cold,) = rows["f: cold prefill, save, restore"]["samples"]
     assert cold["tokens"] == 128 and cold["cached"] == 0 and cold["n_saved"] == 128
     assert cold["save_wall_ms"] > 0 and cold["restore_wall_ms"] > 0
+    # g: the same with the other three slots full: a cold prefill, not a cached one
+    (full,) = rows["g: f, other slots full"]["samples"]
+    assert full["tokens"] == 128 and full["cached"] == 0 and full["n_saved"] == 128
+    assert full["results"][0]["id_slot"] == 0
     # the claim the proxy rests on: k+1 prompts in one request are one llama_decode
     verify_rows = [r for r in result["rows"] if r["part"] in ("d", "e")]
     assert len(verify_rows) == 5

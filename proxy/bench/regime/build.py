@@ -15,7 +15,9 @@ multi-token batches. From it:
 - host: wall minus server ms of rows b, c and d, least squares over per request, per
   prompt and per thousand token ids; and per extra prompt of a round, what rows d's
   server ms exceed the one-slot decode of their tokens by;
-- slots: f's save and restore wall ms at the two contexts, a line in tokens.
+- slots: f's save and restore wall ms at the two contexts, a line in tokens; with rows
+  g (every other slot full), what the actions and the 512-token micro-batch cost per
+  cell of the pool's span beyond the slot's own.
 
 It prints each row's measured ms beside what the file charges for it; rows d (k+1
 prompts over k+1 slots' cells) set only the cost per extra sampling slot.
@@ -137,18 +139,34 @@ def decode_table(result: dict[str, Any], variant: str) -> tuple[DecodeCost, floa
         per_kcell.append(round(slope_at(m) * 1000, 4))
         fixed.append(round(t1 - slope_at(m) * n1 - per_ktoken * low / 1e3, 3))
     f_rows = {r["context"]: r for r in _rows(result, "f", variant)}
+    g_rows = {r["context"]: r for r in _rows(result, "g", variant)}
     prefill: dict[str, Any] = {}
     if low in f_rows and high in f_rows and low == 512:
         t_low = f_rows[low]["server_ms_median"]  # one micro-batch of 512 over 512 cells
         t_high = f_rows[high]["server_ms_median"]
         chunks = high // 512
-        spans = sum(512 * (i + 1) for i in range(chunks))
-        prefill_slope = (t_high - chunks * t_low) / (spans - chunks * 512)
+        if high in g_rows:
+            # the same prefill with every other slot full: only the span differs
+            stale = stale_cells(g_rows[high])
+            prefill_slope = (g_rows[high]["server_ms_median"] - t_high) / (chunks * stale)
+            prefill_slope = max(0.0, prefill_slope)
+            where = f"g against f at {high}: {g_rows[high]['server_ms_median']:.2f}"
+        else:
+            spans = sum(512 * (i + 1) for i in range(chunks))
+            prefill_slope = (t_high - chunks * t_low) / (spans - chunks * 512)
+            where = "the growth of f's prefills"
         tokens.append(512)
         per_kcell.append(round(prefill_slope * 1000, 4))
         fixed.append(round(t_low - prefill_slope * 512, 3))
-        prefill = {"prefill ms": f"{t_low:.2f} at {low}, {t_high:.2f} at {high}"}
+        prefill = {
+            "prefill ms": f"{t_low:.2f} at {low}, {t_high:.2f} at {high}; span slope from {where}"
+        }
     return DecodeCost(tuple(tokens), tuple(fixed), tuple(per_kcell)), per_ktoken, prefill
+
+
+def stale_cells(row: dict[str, Any]) -> int:
+    """Cells the other slots hold in a row g (each a stale context of the row's length)."""
+    return (int(row["np"]) - 1) * int(row["context"])
 
 
 def _d_span(row: dict[str, Any]) -> int:
@@ -204,6 +222,16 @@ def slot_fit(result: dict[str, Any], variant: str) -> dict[str, float]:
     out["action_ms"] = round(
         max(0.0, min(out.pop("save_action_ms"), out.pop("restore_action_ms"))), 3
     )
+    by_context = {r["context"]: r for r in f_rows}
+    g_rows = [r for r in _rows(result, "g", variant) if r["context"] in by_context]
+    if g_rows:  # the same actions with every other slot full, at the highest context
+        g = max(g_rows, key=lambda r: r["context"])
+        f = by_context[g["context"]]
+        for what in ("save", "restore"):
+            extra = _median([s[f"{what}_wall_ms"] for s in g["samples"]]) - _median(
+                [s[f"{what}_wall_ms"] for s in f["samples"]]
+            )
+            out[f"{what}_ms_per_span_kcell"] = round(max(0.0, extra) / (stale_cells(g) / 1e3), 4)
     return out
 
 
@@ -248,7 +276,8 @@ ASSUMPTIONS = (
     "full (rows e) beyond the same round with them empty (rows d), at the higher "
     "context; linear between those counts and flat beyond the largest. Without rows e, "
     "plain decoding's slope for every batch of up to 64 tokens. The 512-token "
-    "micro-batch has its own slope, from the cold prefills.",
+    "micro-batch has its own slope: from the cold prefill with every other slot full "
+    "(row g) against the same prefill alone (row f), else from the growth of f's prefills.",
     "What one-slot requests (rows b, c) cost the server beyond that as the context grows is "
     "work per prompt token of each task (server_per_ktoken_ms), charged on the server's "
     "thread when the task starts.",
@@ -260,6 +289,11 @@ ASSUMPTIONS = (
 DECODE_SOURCE = (
     "server ms of the one-slot rows b and c at the lower context, less the attention slope "
     "of rows a and the per-token work; 512: the cold prefills of row f"
+)
+SLOTS_SOURCE_F = "row f's save and restore wall ms at two contexts"
+SLOTS_SOURCE = (
+    "row f's save and restore wall ms at two contexts; per cell of the pool's span, rows g "
+    "(every other slot full) against f at the higher context"
 )
 HOST_SOURCE = (
     "wall minus server ms of rows b, c and d; per_extra_sample_ms: rows d's server ms "
@@ -312,11 +346,14 @@ per_extra_sample_ms = {host.per_extra_sample_ms:g}
 server_per_ktoken_ms = {host.server_per_ktoken_ms:g}
 
 [slots]
-source = "{where}: row f's save and restore wall ms at two contexts"
+source = "{where}: {SLOTS_SOURCE if "save_ms_per_span_kcell" in slots else SLOTS_SOURCE_F}"
 action_ms = {slots["action_ms"]:g}
 save_ms_per_ktoken = {slots["save_ms_per_ktoken"]:g}
 restore_ms_per_ktoken = {slots["restore_ms_per_ktoken"]:g}
 '''
+    for what in ("save", "restore"):
+        if f"{what}_ms_per_span_kcell" in slots:
+            text += f"{what}_ms_per_span_kcell = {slots[f'{what}_ms_per_span_kcell']:g}\n"
     return text, check_rows(result, variant, decode, host)
 
 

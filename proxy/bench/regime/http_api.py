@@ -271,15 +271,17 @@ class RegimeApi:
         if action == "erase":
             n = await self.engine.run_exclusive(lambda: self.engine.erase(slot), lambda _: 0.0)
             return web.json_response({"id_slot": requested, "n_erased": n})
+        pool = self.engine.pool
         if action == "save":
+            span = pool.n_kv(slot.id)
             tokens = await self.engine.run_exclusive(
-                lambda: list(slot.cache), lambda t: cost.save_ms(len(t))
+                lambda: list(slot.cache), lambda t: cost.save_ms(len(t), span)
             )
             self.saved[filename] = tokens
             return web.json_response(
                 {"id_slot": requested, "filename": filename, "n_saved": len(tokens),
                  "n_written": len(tokens) * STATE_BYTES_PER_TOKEN,
-                 "timings": {"save_ms": cost.save_ms(len(tokens))}}
+                 "timings": {"save_ms": cost.save_ms(len(tokens), span)}}
             )  # fmt: skip
         tokens = self.saved.get(filename)
 
@@ -293,8 +295,9 @@ class RegimeApi:
             self.engine.set_cache(slot, tokens)
             return None
 
+        span = pool.n_kv(slot.id)  # before: the restored cells come on top
         failure = await self.engine.run_exclusive(
-            restore, lambda f: 0.0 if f else cost.restore_ms(len(tokens or []))
+            restore, lambda f: 0.0 if f else cost.restore_ms(len(tokens or []), span)
         )
         if failure:
             return _error(400, f"Unable to restore slot: {failure}")
@@ -302,7 +305,7 @@ class RegimeApi:
         return web.json_response(
             {"id_slot": requested, "filename": filename, "n_restored": len(tokens),
              "n_read": len(tokens) * STATE_BYTES_PER_TOKEN,
-             "timings": {"restore_ms": cost.restore_ms(len(tokens))}}
+             "timings": {"restore_ms": cost.restore_ms(len(tokens), span)}}
         )  # fmt: skip
 
     # -- generation -------------------------------------------------------------------

@@ -11,7 +11,8 @@ are listed under `assumptions`. The charges:
 - `[host]`: work outside the decodes. Per HTTP request, per prompt in it and per
   thousand prompt token ids (parsing and checking them), charged before the request's
   tasks reach the slots; per slot beyond the first that samples after one decode.
-- `[slots]`: slot save and restore per thousand tokens, and a fixed cost per action.
+- `[slots]`: slot save and restore per thousand tokens, and a fixed cost per action;
+  optionally per thousand cells of the pool's span beyond the slot's own.
 - `[reference]`: measured rows of the real machine for reports (tok/s), with sources.
 """
 
@@ -78,12 +79,18 @@ class SlotCost:
     action_ms: float = 0.0
     save_ms_per_ktoken: float = 0.0
     restore_ms_per_ktoken: float = 0.0
+    # what a save or restore costs per thousand cells of the pool's span beyond the
+    # slot's own (with unified KV the action works over the whole pool)
+    save_ms_per_span_kcell: float = 0.0
+    restore_ms_per_span_kcell: float = 0.0
 
-    def save_ms(self, n_tokens: int) -> float:
-        return self.action_ms + self.save_ms_per_ktoken * n_tokens / 1e3
+    def save_ms(self, n_tokens: int, span: int = 0) -> float:
+        extra = max(0, span - n_tokens) * self.save_ms_per_span_kcell
+        return self.action_ms + (self.save_ms_per_ktoken * n_tokens + extra) / 1e3
 
-    def restore_ms(self, n_tokens: int) -> float:
-        return self.action_ms + self.restore_ms_per_ktoken * n_tokens / 1e3
+    def restore_ms(self, n_tokens: int, span: int = 0) -> float:
+        extra = max(0, span - n_tokens) * self.restore_ms_per_span_kcell
+        return self.action_ms + (self.restore_ms_per_ktoken * n_tokens + extra) / 1e3
 
 
 @dataclass(frozen=True)
