@@ -4,7 +4,7 @@
 # device machine with the pinned source in .llama-src/ and wheels in .whl/ (carried).
 #   start   install wheels, build llama-server (CUDA) and the 14B-shape models, in the
 #           background (setsid: they outlive the call), and wait for them
-#   costs   verify-cost (parts a-f, 512 and 4k), the regime file built from it
+#   costs   verify-cost (parts a-g, 512 and 4k), the regime file built from it
 #   costs-background  the same, left running after the call (for `WAIT_COSTS=1 emulate`)
 #   bench   the real bench cells: plain and the oracle (k3, formula) at X = 0.12, 0.27
 #   regime  the same cells on the regime server built from `costs`, on this host
