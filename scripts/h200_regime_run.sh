@@ -87,12 +87,14 @@ case "$STAGE" in
     npu bench --regime "$REGIME" --context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" \
       --time-budget-s 230 --work-dir /tmp/bench4 -o "$OUT/h200-host-chat-emulated.json" | tail -30
     ;;
-  strix)  # the Strix Halo regimes on this host's CPUs, 32B and 14B side by side
+  strix)  # the Strix Halo regimes on this host's CPUs, 32B and 14B side by side (no
+          # near-tie branches: the emulated target writes its script and never flips, and
+          # each branch is a plain 128-token request, 12 s on the 32B)
     install_sources
     for size in 32b 14b; do
       npu bench --regime "strix-halo-vulkan-$size" --context 512 -n 128 \
         --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 4 --repeats 1 \
-        --ceiling-ks 1,2,3,4 --oracle-acceptance 0.8 --oracle-delay-ms 11 \
+        --ceiling-ks 1,2,3,4 --oracle-acceptance 0.8 --oracle-delay-ms 11 --oracle-branches 0 \
         --proxy-variant 'defaults=' --proxy-variant 'k2=--plain-runs off -k 2 --fixed-k' \
         --proxy-variant 'spec=--plain-runs off' --time-budget-s 330 --work-dir "/tmp/strix-$size" \
         -o "$OUT/h200-host-strix-$size-single.json" > "/tmp/strix-$size.log" 2>&1 &
