@@ -110,10 +110,15 @@ class CountingReplicator(SlotReplicator):
         self.calls = 0
 
     async def replicate(
-        self, id_slot: int, copies: int, filename: str, keep: Collection[int] = ()
+        self,
+        id_slot: int,
+        copies: int,
+        filename: str,
+        keep: Collection[int] = (),
+        save: bool = True,
     ) -> list[int]:
         self.calls += 1
-        return await super().replicate(id_slot, copies, filename, keep)
+        return await super().replicate(id_slot, copies, filename, keep, save)
 
 
 @pytest.mark.parametrize("plain_preferred", [True, False])
