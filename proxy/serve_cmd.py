@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import errno
+import functools
 import logging
 import secrets
 import shlex
@@ -13,6 +15,9 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -480,28 +485,54 @@ async def target_tokenizer_facts(upstream: Any) -> Any:
     )
 
 
-def _drafter_reloader(settings: ProxySettings, target: Any) -> Callable[[], Callable[[], Any]]:
+def _drafter_reloader(
+    settings: ProxySettings, target: Any, loaded: LoadedDrafter
+) -> Callable[[], Callable[[], Any]]:
     """After a drafter failure: load the model again (a crashed NPU session may leave
     the old one unusable) and hand back a fresh session opener. Runs in a thread."""
-
-    def reload() -> Callable[[], Any]:
-        opener, _model = _drafter_opener(settings, target)
-        assert opener is not None
-        return opener
-
-    return reload
+    return loaded.reload
 
 
-def _drafter_opener(
-    settings: ProxySettings, target: Any = None
-) -> tuple[Callable[[], Any] | None, Any]:
-    """(open a session adapter, the loaded model) for the configured drafter; with
-    `target` facts, a drafter built for another tokenizer is refused."""
-    if not settings.drafter:
-        return None, None
+class LoadedDrafter:
+    """The configured drafter, loaded: the only holder of the current model.
+
+    Sessions open on whatever model is current (`open_session`); `reload` loads the
+    model again and makes the new one current. The model it replaces is not closed
+    here, because sessions of requests in flight still draft on it; nothing else refers
+    to it, so it is freed with the last of them. (Issue 30: the opener closure kept
+    in ProxyState and the model kept for shutdown held the first model for the
+    proxy's whole life, one model's worth of RSS, 250-300 MiB for the 320 MB test
+    drafter, from the first re-creation on.)
+    """
+
+    def __init__(self, settings: ProxySettings, target: Any = None) -> None:
+        self._settings, self._target = settings, target
+        self.model = _load_model(settings, target)
+
+    def open_session(self) -> Any:
+        from proxy.engine import AsyncSessionDrafter
+
+        return AsyncSessionDrafter(self.model.open_session())
+
+    def reload(self) -> Callable[[], Any]:
+        """Load the drafter again and make it current; the session opener (blocking)."""
+        old, self.model = self.model, _load_model(self._settings, self._target)
+        if old is not None:  # when its last session lets it go: its memory to the system
+            weakref.finalize(old, _release_free_heap_soon).atexit = False
+        return self.open_session
+
+    def close(self) -> None:
+        """At exit: close the current model (sessions still open on it end first)."""
+        model, self.model = self.model, None
+        if model is not None:
+            model.close()
+
+
+def _load_model(settings: ProxySettings, target: Any) -> Any:
+    """The configured drafter's model, loaded and warmed up; with `target` facts, a
+    drafter built for another tokenizer is refused."""
     from npu_draft.load import load_drafter
     from npu_draft.warmup import warm_up
-    from proxy.engine import AsyncSessionDrafter
 
     options = {"threads": settings.drafter_threads} if settings.drafter_threads else {}
     model = load_drafter(settings.drafter, settings.provider, target=target, **options)
@@ -510,11 +541,55 @@ def _drafter_opener(
     )
     # before the gate times it: a cold session's first runs cost more
     log.info("warmed the drafter up in %.0f ms", warm_up(model))
+    release_free_heap()  # what loading freed again (file buffers, graph copies)
+    return model
 
-    def open_session() -> AsyncSessionDrafter:
-        return AsyncSessionDrafter(model.open_session())
 
-    return open_session, model
+def release_free_heap() -> float:
+    """glibc only: hand the free memory of every malloc arena back to the system
+    (`malloc_trim(0)`); the ms it took (0 where there is no glibc).
+
+    A freed drafter model does not lower the RSS by itself: what of its tensors and
+    its sessions' buffers glibc took from its arenas (blocks under its mmap threshold,
+    which grows as large blocks are freed) stays resident as free arena space. In
+    `scripts/drafter_recreate_rss.py` (2-core machine, 320 MB test drafter) trimming
+    released 110-180 MiB of it; docs/RELIABILITY.md, "Soak under faults"."""
+    trim = _malloc_trim()
+    if trim is None:
+        return 0.0
+    started = time.perf_counter()
+    trim(0)
+    return (time.perf_counter() - started) * 1e3
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS, Windows)
+        return None
+
+
+def _release_free_heap_soon() -> None:
+    """A replaced model was freed: trim in a thread of its own, since the last
+    reference may go on the event loop's thread (trimming 0.5 GB takes milliseconds)."""
+
+    def trim() -> None:
+        log.info("replaced drafter freed; heap trimmed in %.0f ms", release_free_heap())
+
+    threading.Thread(target=trim, name="npu-heap-trim", daemon=True).start()
+
+
+def _drafter_opener(
+    settings: ProxySettings, target: Any = None
+) -> tuple[Callable[[], Any] | None, LoadedDrafter | None]:
+    """(open a session adapter, the loaded drafter) for the configured drafter; with
+    `target` facts, a drafter built for another tokenizer is refused. The opener
+    refers to the LoadedDrafter, never to one model, so a reload frees the old one."""
+    if not settings.drafter:
+        return None, None
+    loaded = LoadedDrafter(settings, target)
+    return loaded.open_session, loaded
 
 
 @dataclass
@@ -525,7 +600,7 @@ class _Running:
     supervisor: ServerSupervisor | None = None
     runner: web.AppRunner | None = None
     upstream: UpstreamClient | None = None
-    model: Any = None  # the loaded drafter
+    drafter: LoadedDrafter | None = None  # the loaded drafter (its current model)
     temp_dirs: list[Path] = field(default_factory=list)  # slot files, the key file
 
     async def stop(self) -> None:
@@ -535,9 +610,9 @@ class _Running:
             await self.runner.cleanup()
         if self.upstream is not None:
             await self.upstream.close()
-        if self.model is not None:
+        if self.drafter is not None:
             with contextlib.suppress(Exception):
-                self.model.close()
+                self.drafter.close()
         if self.server is not None:
             await self.server.stop()
         for folder in self.temp_dirs:
@@ -578,7 +653,7 @@ async def _serve(settings: ProxySettings, running: _Running, ready: asyncio.Even
         base_url, Timeouts(verify=settings.verify_timeout_s), api_key=own_key
     )
     facts = await _read_tokenizer_facts(upstream)
-    open_drafter, running.model = await _load_drafter(settings, facts)
+    open_drafter, running.drafter = await _load_drafter(settings, facts)
     if degraded:  # attached with --attach-policy degrade
         open_drafter = None  # every request goes through unchanged
     supervisor = running.supervisor
@@ -586,7 +661,11 @@ async def _serve(settings: ProxySettings, running: _Running, ready: asyncio.Even
         settings,
         upstream,
         open_drafter,
-        reload_drafter=_drafter_reloader(settings, facts) if open_drafter else None,
+        reload_drafter=(
+            _drafter_reloader(settings, facts, running.drafter)
+            if open_drafter is not None and running.drafter is not None
+            else None
+        ),
         replace_upstream_auth=upstream_key is not None,
         server_restarts=(lambda: supervisor.restarts) if supervisor is not None else None,
     )
@@ -669,8 +748,8 @@ async def _read_tokenizer_facts(upstream: UpstreamClient) -> Any:
 
 async def _load_drafter(
     settings: ProxySettings, facts: Any
-) -> tuple[Callable[[], Any] | None, Any]:
-    """(session opener, loaded model), loaded in a thread; a drafter for another
+) -> tuple[Callable[[], Any] | None, LoadedDrafter | None]:
+    """(session opener, loaded drafter), loaded in a thread; a drafter for another
     model, an absent provider or an unusable folder is the user's to fix."""
     from npu_draft.providers import ProviderMismatch, ProviderUnavailable
     from npu_draft.tokenizer_check import TokenizerMismatch

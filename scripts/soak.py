@@ -102,8 +102,8 @@ def child(config: dict) -> int:
         factory, model = await load(settings, facts)
         return (_faulty(factory, rate, rng) if factory else None), model
 
-    def reload_faulty(settings, facts):
-        reload = reloader(settings, facts)
+    def reload_faulty(settings, facts, loaded):
+        reload = reloader(settings, facts, loaded)
         return lambda: _faulty(reload(), rate, rng)
 
     serve_cmd._load_drafter, serve_cmd._drafter_reloader = load_faulty, reload_faulty
@@ -111,6 +111,18 @@ def child(config: dict) -> int:
 
 
 # -- the parent: load, kills, accounting --------------------------------------------------------
+
+
+def _median_within(
+    series: list[tuple[float, float]], start_s: float, span_s: float, first: bool
+) -> float | None:
+    """The median RSS of the first (or last) `span_s` seconds of samples from `start_s`."""
+    kept = [(t, v) for t, v in series if t >= start_s] or series
+    if not kept:
+        return None
+    edge = kept[0][0] + span_s if first else kept[-1][0] - span_s
+    values = sorted(v for t, v in kept if (t <= edge if first else t >= edge))
+    return round(values[len(values) // 2], 1)
 
 
 def rss_mb(pid: int) -> float | None:
@@ -350,6 +362,13 @@ async def main_async(args: argparse.Namespace) -> int:
                 counts=dict(soak.counts),
                 rss_mb_first=after_warmup[0] if after_warmup else None,
                 rss_mb_last=after_warmup[-1] if after_warmup else None,
+                # the last sample may fall in a drafter reload (the old model lives until
+                # its sessions end, the new one is loaded): also the medians of the first
+                # and the last minute after warm-up, the peak, and the RSS once idle
+                rss_mb_first_min_median=_median_within(rss, args.warmup_s, 60, first=True),
+                rss_mb_last_min_median=_median_within(rss, args.warmup_s, 60, first=False),
+                rss_mb_peak=max(after_warmup, default=None),
+                rss_mb_idle_after=rss_mb(proc.pid),
                 rss_mb_series=[[round(t), round(v, 1)] for t, v in rss],
                 server_restarts=await _metric(session, url, "npu_spec_server_restarts_total"),
                 drafter_faults=await _metric(session, url, "npu_spec_drafter_faults_total"),
@@ -371,6 +390,10 @@ async def main_async(args: argparse.Namespace) -> int:
         await ref.stop()
     first, last = result["rss_mb_first"], result["rss_mb_last"]
     result["rss_growth_pct"] = round(100 * (last - first) / first, 2) if first and last else None
+    first, last = result["rss_mb_first_min_median"], result["rss_mb_last_min_median"]
+    result["rss_growth_median_pct"] = (
+        round(100 * (last - first) / first, 2) if first and last else None
+    )
     counts, greedy = result["counts"], result["greedy"]
     print(json.dumps(result, indent=1))
     print(
@@ -381,7 +404,8 @@ async def main_async(args: argparse.Namespace) -> int:
         f"{counts.get('lost', 0)} | {counts.get('garbled', 0)} | "
         f"{greedy.get('unexplained', 0) + greedy.get('stream_unexplained', 0)} "
         f"({greedy.get('near_tie', 0) + greedy.get('stream_near_tie', 0)} near-ties) | "
-        f"{result['rss_growth_pct']}% |"
+        f"{result['rss_growth_pct']}% (medians of first and last minute: "
+        f"{result['rss_growth_median_pct']}%; peak {result['rss_mb_peak']} MiB) |"
     )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,15 +4,20 @@ supervision, cut pass-through answers, the table renderer."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import json
 import sys
+import weakref
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy import serve_cmd
 from proxy.api import ProxyState, create_app
+from proxy.config import ProxySettings
 from proxy.drafter_guard import DrafterSupervisor
 from proxy.engine import EngineSettings
 from proxy.engine.drafting import DrafterBase
@@ -130,6 +135,74 @@ async def test_drafter_supervisor_recreates_after_a_failure():
     assert await supervisor.bounded(second.propose([1], 2), 2, list) == [1, 1]
     await _proposer(second, supervisor).close()
     assert all(s.closed for s in sessions)
+
+
+class _FakeDraftSession:
+    """A draft session that, like the real ones, refers to its model."""
+
+    def __init__(self, model: _FakeDraftModel) -> None:
+        self.model, self.tokens = model, []
+
+    def sync(self, tokens):
+        self.tokens = list(tokens)
+
+    def propose(self, k, *args):
+        return SimpleNamespace(tokens=[1] * k)
+
+    def close(self) -> None:
+        self.model = None
+
+
+class _FakeDraftModel:
+    info = SimpleNamespace(name="fake", backend="onnx", provider="cpu")
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def open_session(self) -> _FakeDraftSession:
+        return _FakeDraftSession(self)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_replaced_drafter_model_is_freed_and_the_current_one_closed(monkeypatch):
+    """Issue 30: serve's reload must leave nothing holding the model it replaced (the
+    opener kept in ProxyState held the first one for good: +1 model of RSS)."""
+    import npu_draft.load
+
+    loaded_models: list[weakref.ref[_FakeDraftModel]] = []
+
+    def load_drafter(*args, **kwargs) -> _FakeDraftModel:
+        model = _FakeDraftModel()
+        loaded_models.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(npu_draft.load, "load_drafter", load_drafter)
+    settings = ProxySettings(upstream="http://127.0.0.1:1", drafter="/drafter")
+    # what serve keeps for its whole run: the opener (ProxyState) and the drafter (_Running)
+    open_drafter, loaded = await serve_cmd._load_drafter(settings, None)
+    assert open_drafter is not None and loaded is not None
+    reload = serve_cmd._drafter_reloader(settings, None, loaded)
+    supervisor = DrafterSupervisor(open_drafter, reload)
+    in_flight = await supervisor.open()  # a request still drafting on the first model
+    assert in_flight is not None
+    supervisor.report_failure("test")
+    fresh = await supervisor.open()  # re-created: the model is loaded again
+    assert fresh is not None and supervisor.recreations == 1 and len(loaded_models) == 2
+    gc.collect()
+    assert loaded_models[0]() is not None, "the in-flight session still drafts on it"
+    await in_flight.close()
+    supervisor.session_closed()
+    del in_flight
+    gc.collect()
+    assert loaded_models[0]() is None, "the replaced model is still referenced"
+    second = loaded_models[1]()
+    assert second is not None and loaded.model is second
+    await fresh.close()
+    supervisor.session_closed()
+    loaded.close()  # what serve does on the way out
+    assert second.closed and supervisor.sessions_open == 0
 
 
 async def test_drafter_supervisor_bounds_time_and_checks_ids():
