@@ -151,6 +151,7 @@ class Soak:
         self.counts: Counter[str] = Counter()
         self.answers: list[tuple[int, list[int], str]] = []  # (prompt, tokens, text)
         self.texts: list[tuple[int, str]] = []  # (prompt, streamed text)
+        self.stream_differences: list[dict] = []  # the first unexplained streamed texts
         self.rng = random.Random(args.seed)
 
     def busy(self) -> bool:
@@ -290,29 +291,64 @@ async def check(soak: Soak, ref_url: str) -> dict:
             if tokens == expected:
                 out["equal"] += 1
                 continue
-            if (prompt, text) in verdicts:
-                out[verdicts[prompt, text]] += 1
+            if (prompt, text) not in verdicts:
+                verdicts[prompt, text] = await _verdict(session, ref_url, soak.refs[prompt], tokens)
+            out[verdicts[prompt, text]] += 1
+        for prompt, text in soak.texts:
+            # streamed answers: their text; one that differs is judged by its tokens (a
+            # non-streamed answer's with the same text, else the text tokenized again)
+            ref = soak.refs[prompt]
+            if text == ref["content"]:
+                out["stream_equal"] += 1
                 continue
-            i = next(
-                (j for j, (a, b) in enumerate(zip(expected, tokens, strict=False)) if a != b), None
-            )
-            if i is None:
-                out["unexplained"] += 1  # a prefix: cut short
-                continue
-            ids, gap = await top2_gap(session, ref_url, soak.refs[prompt]["prompt"] + expected[:i])
-            verdict = "near_tie" if tokens[i] in ids and gap < NEAR_TIE_LOGIT_GAP else "unexplained"
-            verdicts[prompt, text] = verdict
-            out[verdict] += 1
-    for prompt, text in soak.texts:
-        # streamed answers: their text; one that differs is excused only where a checked
-        # non-streamed answer with the same text was a proven near-tie
-        if text == soak.refs[prompt]["content"]:
-            out["stream_equal"] += 1
-        elif verdicts.get((prompt, text)) == "near_tie":
-            out["stream_near_tie"] += 1
-        else:
-            out["stream_unexplained"] += 1
+            if (prompt, text) not in verdicts:
+                verdicts[prompt, text] = await _stream_verdict(session, ref_url, ref, text)
+            verdict = verdicts[prompt, text]
+            out["stream_near_tie" if verdict == "near_tie" else "stream_unexplained"] += 1
+            if verdict != "near_tie" and len(soak.stream_differences) < 5:
+                soak.stream_differences.append(
+                    {"prompt": prompt, "text": text, "reference": ref["content"]}
+                )
     return dict(out)
+
+
+async def _verdict(
+    session: aiohttp.ClientSession, ref_url: str, ref: dict, tokens: list[int]
+) -> str:
+    """near_tie where `tokens` first leave the reference at a proven near-tie (the
+    server's top-2 hold both and their gap is under the margin); else unexplained (a
+    strict prefix too: an answer cut short)."""
+    expected = ref["tokens"]
+    i = next((j for j, (a, b) in enumerate(zip(expected, tokens, strict=False)) if a != b), None)
+    if i is None:
+        return "unexplained"
+    ids, gap = await top2_gap(session, ref_url, ref["prompt"] + expected[:i])
+    return "near_tie" if tokens[i] in ids and gap < NEAR_TIE_LOGIT_GAP else "unexplained"
+
+
+async def _stream_verdict(
+    session: aiohttp.ClientSession, ref_url: str, ref: dict, text: str
+) -> str:
+    """near_tie where a streamed text leaves the reference at a proven near-tie: the
+    first reference token whose text is not in `text` (pieces cut inside a UTF-8
+    character are compared without the cut) is where the server's top-2 gap is under
+    the margin, and `text` goes on with the runner-up's text there."""
+    expected = ref["tokens"]
+
+    async def follows(ids: list[int]) -> bool:
+        async with session.post(ref_url + "/detokenize", json={"tokens": ids}) as response:
+            piece = (await response.json())["content"]
+        return text.startswith(piece.rstrip("\ufffd"))
+
+    i = 0
+    while i < len(expected) and await follows(expected[: i + 1]):
+        i += 1
+    if i == len(expected):
+        return "unexplained"  # the whole reference is in it: not a divergence
+    ids, gap = await top2_gap(session, ref_url, ref["prompt"] + expected[:i])
+    runner_up = next((t for t in ids if t != expected[i]), None)
+    near = gap < NEAR_TIE_LOGIT_GAP and runner_up is not None
+    return "near_tie" if near and await follows([*expected[:i], runner_up]) else "unexplained"
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -386,6 +422,7 @@ async def main_async(args: argparse.Namespace) -> int:
     await ref.start()
     try:
         result["greedy"] = await check(soak, ref.base_url)
+        result["stream_differences"] = soak.stream_differences
     finally:
         await ref.stop()
     first, last = result["rss_mb_first"], result["rss_mb_last"]
