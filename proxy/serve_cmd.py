@@ -485,11 +485,10 @@ async def target_tokenizer_facts(upstream: Any) -> Any:
     )
 
 
-def _drafter_reloader(
-    settings: ProxySettings, target: Any, loaded: LoadedDrafter
-) -> Callable[[], Callable[[], Any]]:
+def _drafter_reloader(loaded: LoadedDrafter) -> Callable[[], Callable[[], Any]]:
     """After a drafter failure: load the model again (a crashed NPU session may leave
-    the old one unusable) and hand back a fresh session opener. Runs in a thread."""
+    the old one unusable) and hand back a fresh session opener. Runs in a thread. (A
+    seam of its own: scripts/soak.py wraps it to inject faults.)"""
     return loaded.reload
 
 
@@ -662,7 +661,7 @@ async def _serve(settings: ProxySettings, running: _Running, ready: asyncio.Even
         upstream,
         open_drafter,
         reload_drafter=(
-            _drafter_reloader(settings, facts, running.drafter)
+            _drafter_reloader(running.drafter)
             if open_drafter is not None and running.drafter is not None
             else None
         ),

@@ -100,7 +100,7 @@ async def run(args: argparse.Namespace) -> dict:
     # what `serve` keeps for its whole run: the opener (in ProxyState) and what
     # _load_drafter returned (in _Running), and the reloader it hands the supervisor
     opener, loaded = await serve_cmd._load_drafter(settings, target)
-    reload = serve_cmd._drafter_reloader(settings, target, loaded)
+    reload = serve_cmd._drafter_reloader(loaded)
     supervisor = DrafterSupervisor(opener, reload)
     await use_once(supervisor, args, fault=False)
     gc.collect()

@@ -102,8 +102,8 @@ def child(config: dict) -> int:
         factory, model = await load(settings, facts)
         return (_faulty(factory, rate, rng) if factory else None), model
 
-    def reload_faulty(settings, facts, loaded):
-        reload = reloader(settings, facts, loaded)
+    def reload_faulty(loaded):
+        reload = reloader(loaded)
         return lambda: _faulty(reload(), rate, rng)
 
     serve_cmd._load_drafter, serve_cmd._drafter_reloader = load_faulty, reload_faulty

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
@@ -97,16 +98,12 @@ class SlotReplicator:
                 log.warning("slot save/restore unavailable (%s); prefilling in the batch", exc)
         return restored
 
-    def _observe_save(self, answer: object) -> None:
+    def _observe_save(self, answer: dict[str, Any]) -> None:
         """The server's own timing of a save (`timings.save_ms` over `n_saved`)."""
-        if not isinstance(answer, dict):
-            return
-        timings = answer.get("timings")
         n_saved = answer.get("n_saved")
-        if isinstance(timings, dict) and isinstance(n_saved, int) and n_saved >= self.min_prompt:
-            save_ms = timings.get("save_ms")
-            if isinstance(save_ms, (int, float)):
-                self.save_ms_per_token = _running(self.save_ms_per_token, save_ms / n_saved)
+        save_ms = (answer.get("timings") or {}).get("save_ms")
+        if isinstance(n_saved, int) and n_saved >= self.min_prompt and save_ms is not None:
+            self.save_ms_per_token = _running(self.save_ms_per_token, float(save_ms) / n_saved)
 
     async def erase_idle(self, slots: set[int]) -> list[int]:
         """Empty the caches of those of `slots` that are idle now (a busy one may serve

@@ -183,7 +183,7 @@ async def test_a_replaced_drafter_model_is_freed_and_the_current_one_closed(monk
     # what serve keeps for its whole run: the opener (ProxyState) and the drafter (_Running)
     open_drafter, loaded = await serve_cmd._load_drafter(settings, None)
     assert open_drafter is not None and loaded is not None
-    reload = serve_cmd._drafter_reloader(settings, None, loaded)
+    reload = serve_cmd._drafter_reloader(loaded)
     supervisor = DrafterSupervisor(open_drafter, reload)
     in_flight = await supervisor.open()  # a request still drafting on the first model
     assert in_flight is not None

@@ -85,12 +85,15 @@ class SlotCost:
     restore_ms_per_span_kcell: float = 0.0
 
     def save_ms(self, n_tokens: int, span: int = 0) -> float:
-        extra = max(0, span - n_tokens) * self.save_ms_per_span_kcell
-        return self.action_ms + (self.save_ms_per_ktoken * n_tokens + extra) / 1e3
+        return self._ms(self.save_ms_per_ktoken, self.save_ms_per_span_kcell, n_tokens, span)
 
     def restore_ms(self, n_tokens: int, span: int = 0) -> float:
-        extra = max(0, span - n_tokens) * self.restore_ms_per_span_kcell
-        return self.action_ms + (self.restore_ms_per_ktoken * n_tokens + extra) / 1e3
+        return self._ms(self.restore_ms_per_ktoken, self.restore_ms_per_span_kcell, n_tokens, span)
+
+    def _ms(self, per_ktoken: float, per_span_kcell: float, n_tokens: int, span: int) -> float:
+        """One action on a slot of `n_tokens` in a pool spanning `span` cells."""
+        extra = max(0, span - n_tokens) * per_span_kcell
+        return self.action_ms + (per_ktoken * n_tokens + extra) / 1e3
 
 
 @dataclass(frozen=True)
