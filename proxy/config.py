@@ -50,6 +50,11 @@ class ProxySettings(BaseSettings):
         description="start the next round's draft as soon as a verify result is back, while "
         "the proxy commits the round's tokens (else when the next round starts)",
     )
+    slot_file_reuse: bool = Field(
+        True,
+        description="a generation restores the slot file it saved earlier, as it is, where "
+        "the measured rates say a new save costs more than prefilling what the file lacks",
+    )
     plain_runs: Literal["auto", "off"] = Field(
         "auto",
         description="let llama-server decode alone while that is measured to be faster than "

@@ -141,6 +141,16 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
+        ("--slot-file-reuse",),
+        {
+            "choices": ["on", "off"],
+            "dest": "slot_file_reuse",
+            "help": "on: a generation that copies its slot again restores the file it saved "
+            "before, as it is, where the measured rates say a new save costs more than "
+            "prefilling what the file lacks; off: always save anew (default: %(default)s)",
+        },
+    ),
+    (
         ("--plain-runs",),
         {
             "choices": ["auto", "off"],

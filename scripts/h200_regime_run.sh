@@ -14,6 +14,7 @@
 #   formula the 4k formula cells (X = 0.12, 0.27) three times each, real and emulated on
 #           this host one after the other: is the draft-length rule repeatable?
 #   concurrency  scripts/h200_concurrency_run.sh bench (many users, issue 30)
+#   chain   start, costs, formula and emulate (on the file just built), strix, in a row
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -105,11 +106,24 @@ case "$STAGE" in
   formula)
     FORMULA=(--context 4k -n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6
       --repeats 3 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12,0.27
-      --proxy-variant 'spec=--plain-runs off')
+      --proxy-variant 'spec=--plain-runs off'
+      --proxy-variant 'noreuse=--plain-runs off --slot-file-reuse off')
     npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' "${FORMULA[@]}" \
       --work-dir /tmp/formula1 -o "$OUT/h200-formula-4k.json" | tail -25
-    npu bench --regime proxy/bench/regime/regimes/h200-cuda-14b-f16.toml "${FORMULA[@]}" \
-      --work-dir /tmp/formula2 -o "$OUT/h200-host-formula-4k-emulated.json" | tail -25
+    npu bench --regime "${REGIME:-proxy/bench/regime/regimes/h200-cuda-14b-f16.toml}" \
+      "${FORMULA[@]}" --work-dir /tmp/formula2 -o "$OUT/h200-host-formula-4k-emulated.json" \
+      | tail -25
+    ;;
+  chain)  # start, costs, then the 4k formula cells and the single cells emulated on the
+          # file just built, then the Strix Halo cells: one background run (`background
+          # chain`, then `collect chain S` until done)
+    bash scripts/h200_regime_run.sh start
+    COSTS_OUT="$OUT" bash scripts/h200_regime_run.sh costs
+    REGIME=/tmp/h200-cuda-14b-f16.toml bash scripts/h200_regime_run.sh formula \
+      || echo "formula FAILED"
+    REGIME=/tmp/h200-cuda-14b-f16.toml EMULATE_CHAT=0 bash scripts/h200_regime_run.sh emulate \
+      || echo "emulate FAILED"
+    bash scripts/h200_regime_run.sh strix || echo "strix FAILED"
     ;;
   concurrency)  # issue 30's H200 run (scripts/h200_concurrency_run.sh), here to run it in
                 # the background
@@ -120,9 +134,11 @@ case "$STAGE" in
     setsid nohup bash -c "OUT=/tmp/bg-$2 bash scripts/h200_regime_run.sh $2 && touch /tmp/bg-$2.done" \
       > "/tmp/bg-$2.log" 2>&1 < /dev/null &
     ;;
-  collect)  # STAGE SECONDS
-    wait_for "/tmp/bg-$2.done" "$3" || { tail -30 "/tmp/bg-$2.log"; exit 1; }
-    grep -v "INFO proxy" "/tmp/bg-$2.log" | tail -45; cp -r "/tmp/bg-$2/." "$OUT/"
+  collect)  # STAGE SECONDS: what is there by then comes back, finished or not
+    done=0; wait_for "/tmp/bg-$2.done" "$3" && done=1
+    grep -v "INFO proxy" "/tmp/bg-$2.log" | tail -60; cp -r "/tmp/bg-$2/." "$OUT/"
+    grep -v "INFO proxy" "/tmp/bg-$2.log" > "$OUT/bg-$2.log"
+    [ "$done" = 1 ] || { echo "STAGE $2 STILL RUNNING"; exit 1; }
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -30,9 +30,12 @@ class SlotReplicator:
     cost far less than a prefill; docs/BENCHMARKS.md, "Measurements behind design
     choices")."""
 
-    def __init__(self, upstream: UpstreamClient, min_prompt: int = 64) -> None:
+    def __init__(
+        self, upstream: UpstreamClient, min_prompt: int = 64, reuse_files: bool = True
+    ) -> None:
         self.upstream = upstream
         self.min_prompt = min_prompt  # shorter prompts prefill in the batch just as well
+        self.reuse_files = reuse_files  # False: every copy saves anew (`--slot-file-reuse`)
         self.available = True  # False once the server refused (no --slot-save-path)
         # measured on this server, per context token: a slot save (the server's own
         # timing) and a one-slot prefill (a first round's); None until measured
@@ -57,7 +60,7 @@ class SlotReplicator:
         not (docs/BENCHMARKS.md, "Measurements behind design choices"). Unmeasured
         rates: save."""
         save, prefill = self.save_ms_per_token, self.prefill_ms_per_token
-        if save is None or prefill is None or gap < 0:
+        if not self.reuse_files or save is None or prefill is None or gap < 0:
             return False
         return gap * copies * prefill < n_context * save
 

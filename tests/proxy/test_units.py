@@ -578,3 +578,12 @@ def test_reusing_a_file_needs_both_rates_measured():
     replicator._observe_save({"n_saved": 3000, "timings": {"save_ms": 5.0}})  # a CPU's
     assert not replicator.reuse_pays(gap=100, copies=3, n_context=3000)
     assert replicator.reuse_pays(gap=0, copies=3, n_context=3000)
+
+
+def test_slot_file_reuse_off_always_saves_anew():
+    from proxy.engine import SlotReplicator
+
+    replicator = SlotReplicator(SlotServer(), min_prompt=64, reuse_files=False)
+    replicator.observe_prefill(server_ms=300.0, n_tokens=4096)
+    replicator._observe_save({"n_saved": 4096, "timings": {"save_ms": 600.0}})  # the H200's
+    assert not replicator.reuse_pays(gap=0, copies=3, n_context=4096)
