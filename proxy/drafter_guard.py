@@ -4,9 +4,15 @@ A drafter is an optional accelerator: whatever it does (raise, hang, fail to ope
 the request goes on by plain decoding, which is lossless by construction. The
 supervisor hands out sessions, is the guard each generation's proposer
 (`proxy.engine.proposer`) asks once per drafter call (`bounded`: a time bound, an id
-check, a failure counted), re-creates the drafter after a failure (a fresh session,
-and a reloaded model when a `reload` is given), and keeps count of open sessions so
-tests can prove that every session a request opened was closed again.
+check, a failure counted), re-creates the drafter after a failure, and keeps count of
+open sessions so tests can prove that every session a request opened was closed again.
+
+Re-creating starts with the cheapest remedy: the next request opens a fresh session on
+the same model. Only a failure to open a session, or a second failure with no good
+proposal between the two, reloads the model (where a `reload` is given): a reload costs
+seconds and, while in-flight sessions keep the old model alive, a second model's memory
+(the 30-minute soak reloaded on every fault and its RSS wandered in a 340-395 MiB band;
+docs/RELIABILITY.md, "Soak under faults").
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ log = logging.getLogger(__name__)
 
 Opener = Callable[[], AsyncDrafter]
 T = TypeVar("T")
+RELOAD_AFTER = 2  # failures with no good proposal between them before the model reloads
 
 
 class DrafterTimeout(Exception):
@@ -50,8 +57,10 @@ class DrafterSupervisor:
         self.propose_timeout_s = propose_timeout_s
         self.sessions_open = 0
         self.failures = 0  # proposals that raised or timed out, and failed opens
-        self.recreations = 0
+        self.recreations = 0  # fresh starts after failures, with or without a reload
+        self.reloads = 0  # ... of them, those that loaded the model again
         self._stale = False  # a failure happened: re-create before the next session
+        self._strikes = 0  # failures since the last good proposal or reload
         self._lock = asyncio.Lock()
 
     async def open(self) -> AsyncDrafter | None:
@@ -64,7 +73,7 @@ class DrafterSupervisor:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.report_failure(f"open: {exc!r}")
+            self.report_failure(f"open: {exc!r}", model_suspect=True)
             return None
         if inner is None:
             return None
@@ -86,6 +95,7 @@ class DrafterSupervisor:
                 not isinstance(t, int) or not 0 <= t < n_vocab for t in tokens
             ):
                 raise DrafterGarbage(f"draft {tokens[:8]} has ids outside 0..{n_vocab - 1}")
+            self._strikes = 0
             return answer
         except TimeoutError:
             self.report_failure("timeout")
@@ -98,8 +108,11 @@ class DrafterSupervisor:
             self.report_failure(type(exc).__name__)
             raise
 
-    def report_failure(self, reason: str) -> None:
+    def report_failure(self, reason: str, model_suspect: bool = False) -> None:
+        """A drafter call failed; `model_suspect`: the model itself (it could not open
+        a session), so it is reloaded at once."""
         self.failures += 1
+        self._strikes += RELOAD_AFTER if model_suspect else 1
         self._stale = True
         log.warning("drafter failed (%s); it will be re-created", reason)
 
@@ -107,15 +120,22 @@ class DrafterSupervisor:
         async with self._lock:
             if not self._stale:
                 return  # another request re-created it meanwhile
-            if self._reload is not None:
+            reload = self._reload is not None and self._strikes >= RELOAD_AFTER
+            if reload:
                 self._opener = await asyncio.to_thread(self._reload)
+                self._strikes = 0
+                self.reloads += 1
             self._stale = False
             self.recreations += 1
-            log.info("drafter re-created (%d so far)", self.recreations)
+            log.info(
+                "drafter re-created (%d so far, %d with the model reloaded)%s",
+                self.recreations, self.reloads, "" if reload else ": a fresh session",
+            )  # fmt: skip
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "sessions_open": self.sessions_open,
             "failures": self.failures,
             "recreations": self.recreations,
+            "reloads": self.reloads,
         }

@@ -325,6 +325,9 @@ def reliability_page(
          drafters.get("failures", 0)),
         ("npu_spec_drafter_recreations_total", "counter",
          "Times the drafter was re-created after a failure", drafters.get("recreations", 0)),
+        ("npu_spec_drafter_reloads_total", "counter",
+         "Re-creations that loaded the drafter model again (a failed open, or a second "
+         "failure in a row)", drafters.get("reloads", 0)),
         ("npu_spec_client_disconnects_total", "counter",
          "Requests to the speculative routes whose client went away", client_disconnects),
         ("npu_spec_upstream_failures_total", "counter",

@@ -4,7 +4,7 @@ after drafter faults (issue 30: the proxy's RSS grew ~15 MiB per re-creation).
 The loop is the proxy's own path: `serve_cmd._drafter_opener` loads the drafter, a
 `DrafterSupervisor` with `serve_cmd._drafter_reloader` hands out sessions
 (`AsyncSessionDrafter`: a worker thread each), every session drafts a few tokens and is
-closed, then a failure is reported, so the next `open()` re-creates the drafter.
+closed, then a failure is reported, so the next `open()` reloads the drafter's model.
 
     python scripts/drafter_recreate_rss.py MODELS/draft -n 12
     python scripts/drafter_recreate_rss.py MODELS/draft -n 12 --backend onnx
@@ -74,7 +74,8 @@ async def use_once(supervisor: DrafterSupervisor, args: argparse.Namespace, faul
 
         async def fail_soon() -> None:
             await asyncio.sleep(0.05)
-            supervisor.report_failure("measurement")
+            # the reload is what is measured (a lone session fault only opens a new session)
+            supervisor.report_failure("measurement", model_suspect=True)
 
         streams.append(fail_soon())
     await asyncio.gather(*streams)

@@ -408,6 +408,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 rss_mb_series=[[round(t), round(v, 1)] for t, v in rss],
                 server_restarts=await _metric(session, url, "npu_spec_server_restarts_total"),
                 drafter_faults=await _metric(session, url, "npu_spec_drafter_faults_total"),
+                drafter_reloads=await _metric(session, url, "npu_spec_drafter_reloads_total"),
                 streams_active_after=await _metric(session, url, "npu_spec_streams_active"),
                 drafter_sessions_open_after=await _metric(
                     session, url, "npu_spec_drafter_sessions_open"

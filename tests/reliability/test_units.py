@@ -4,6 +4,7 @@ supervision, cut pass-through answers, the table renderer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import json
@@ -130,11 +131,46 @@ async def test_drafter_supervisor_recreates_after_a_failure():
     await proposer.close()
     await proposer.close()  # closing twice counts once
     assert supervisor.sessions_open == 0 and supervisor.failures == 1
-    second = await supervisor.open()
-    assert second is not None and reloads == [1] and supervisor.recreations == 1
+    second = await supervisor.open()  # a fresh session on the same model
+    assert second is not None and reloads == [] and supervisor.recreations == 1
     assert await supervisor.bounded(second.propose([1], 2), 2, list) == [1, 1]
     await _proposer(second, supervisor).close()
     assert all(s.closed for s in sessions)
+
+
+async def test_the_drafter_model_reloads_after_a_second_failure_in_a_row_or_a_failed_open():
+    opened: list[Session] = []
+    reloads: list[int] = []
+    fail_next = [True, True, False, True, False, False]  # the sessions' fates, in order
+
+    def opener() -> Session:
+        opened.append(Session(fail=fail_next[len(opened)]))
+        return opened[-1]
+
+    def reload():
+        reloads.append(1)
+        return opener
+
+    supervisor = DrafterSupervisor(opener, reload, propose_timeout_s=1.0, n_vocab=10)
+
+    async def use_once() -> None:
+        session = await supervisor.open()
+        assert session is not None
+        with contextlib.suppress(RuntimeError):
+            await supervisor.bounded(session.propose([1], 2), 2, list)
+        await _proposer(session, supervisor).close()
+
+    await use_once()  # fails: strike one
+    await use_once()  # a fresh session on the same model fails again: strike two
+    assert reloads == [] and supervisor.recreations == 1
+    await use_once()  # reloaded first, then a good proposal clears the strikes
+    assert reloads == [1] and supervisor.snapshot()["reloads"] == 1
+    await use_once()  # fails once after a good proposal: a fresh session only
+    await use_once()
+    assert reloads == [1] and supervisor.recreations == 3
+    supervisor.report_failure("open: broken", model_suspect=True)
+    await use_once()  # a failed open reloads at once
+    assert reloads == [1, 1] and supervisor.recreations == 4
 
 
 class _FakeDraftSession:
@@ -187,7 +223,7 @@ async def test_a_replaced_drafter_model_is_freed_and_the_current_one_closed(monk
     supervisor = DrafterSupervisor(open_drafter, reload)
     in_flight = await supervisor.open()  # a request still drafting on the first model
     assert in_flight is not None
-    supervisor.report_failure("test")
+    supervisor.report_failure("test", model_suspect=True)
     fresh = await supervisor.open()  # re-created: the model is loaded again
     assert fresh is not None and supervisor.recreations == 1 and len(loaded_models) == 2
     gc.collect()
