@@ -55,6 +55,11 @@ class ProxySettings(BaseSettings):
         description="a generation restores the slot file it saved earlier, as it is, where "
         "the measured rates say a new save costs more than prefilling what the file lacks",
     )
+    clear_stale_copies: bool = Field(
+        True,
+        description="before a generation's first prefill, empty the idle slots holding "
+        "copies of another conversation's context that ended generations left",
+    )
     plain_runs: Literal["auto", "off"] = Field(
         "auto",
         description="let llama-server decode alone while that is measured to be faster than "

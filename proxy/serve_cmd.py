@@ -151,6 +151,17 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
+        ("--clear-stale-copies",),
+        {
+            "choices": ["on", "off"],
+            "dest": "clear_stale_copies",
+            "help": "on: before a generation's first prefill, empty the idle slots holding "
+            "copies of another conversation's context that ended generations left (with "
+            "unified KV a prefill attends over every cell in use); off: keep them "
+            "(default: %(default)s)",
+        },
+    ),
+    (
         ("--plain-runs",),
         {
             "choices": ["auto", "off"],

@@ -83,7 +83,11 @@ class ProxyState:
             n_vocab=self.n_vocab,
         )
         self.pieces = PieceCache(self.upstream)
-        self.replicator = SlotReplicator(self.upstream, reuse_files=settings.slot_file_reuse)
+        self.replicator = SlotReplicator(
+            self.upstream,
+            reuse_files=settings.slot_file_reuse,
+            clear_stale_copies=settings.clear_stale_copies,
+        )
         self.drafters = (
             DrafterSupervisor(
                 self.open_drafter, self.reload_drafter, settings.draft_timeout_s, self.n_vocab

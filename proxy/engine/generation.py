@@ -82,6 +82,8 @@ class Generation:
             last_back=started,
         )
         rounds = await self._rounds()
+        if self.replicator is not None:
+            await self.replicator.clear_stale(self.prompt)
         try:
             while not loop.text.finished:
                 round_start = time.perf_counter()
@@ -94,6 +96,7 @@ class Generation:
                 async for event in steps:
                     yield event
         finally:
+            rounds.slots.leave(self.prompt + loop.text.tokens)
             await rounds.proposer.close()
         self._finish(loop, rounds)
         self.releasing = rounds.release_slots()

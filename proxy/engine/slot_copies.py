@@ -8,7 +8,8 @@ next verify batch, exactly as without copies.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,16 +32,26 @@ class SlotReplicator:
     choices")."""
 
     def __init__(
-        self, upstream: UpstreamClient, min_prompt: int = 64, reuse_files: bool = True
+        self,
+        upstream: UpstreamClient,
+        min_prompt: int = 64,
+        reuse_files: bool = True,
+        clear_stale_copies: bool = True,
     ) -> None:
         self.upstream = upstream
         self.min_prompt = min_prompt  # shorter prompts prefill in the batch just as well
         self.reuse_files = reuse_files  # False: every copy saves anew (`--slot-file-reuse`)
+        self.clear_stale_copies = clear_stale_copies  # `--clear-stale-copies`
         self.available = True  # False once the server refused (no --slot-save-path)
         # measured on this server, per context token: a slot save (the server's own
         # timing) and a one-slot prefill (a first round's); None until measured
         self.save_ms_per_token: float | None = None
         self.prefill_ms_per_token: float | None = None
+        # copies that ended generations left in slots, by slot: that generation's
+        # context (a copy holds it or a prefix of it); and the slots generations in
+        # flight use, with how many of them (`SlotCopies.clear_stale`)
+        self.left_copies: dict[int, Sequence[int]] = {}
+        self.in_flight: Counter[int] = Counter()
 
     def worth_copying(self, n_fresh: int) -> bool:
         """Copy a slot only when its prefill would cost the others more than a copy."""
@@ -107,6 +118,29 @@ class SlotReplicator:
         save_ms = (answer.get("timings") or {}).get("save_ms")
         if isinstance(n_saved, int) and n_saved >= self.min_prompt and save_ms is not None:
             self.save_ms_per_token = _running(self.save_ms_per_token, float(save_ms) / n_saved)
+
+    async def clear_stale(self, prompt: Sequence[int]) -> list[int]:
+        """Before a generation's first prefill: empty the idle slots holding copies that
+        ended generations left, of contexts that `prompt` does not go on from (less than
+        half of one is its prefix); returns the ids erased. With unified KV a prefill's
+        512-token micro-batches attend over every cell in use: on the H200 (14B f16) a 4k
+        prefill took 1,084 ms with the other 8 slots holding 4k contexts against 304 ms
+        alone (`verify-cost` parts g and f; docs/BENCHMARKS.md, "The regime server"). A
+        conversation's own copies, and the slot holding its context, stay for its next
+        turn (llama-server alone keeps those too)."""
+        if not (self.clear_stale_copies and self.available) or len(prompt) < self.min_prompt:
+            return []
+        stale = {
+            id_slot for id_slot, context in self.left_copies.items()
+            if id_slot not in self.in_flight
+            and _common_prefix(context, prompt) < len(context) // 2
+        }  # fmt: skip
+        if not stale:
+            return []
+        erased = await self.erase_idle(stale)
+        for id_slot in erased:
+            self.left_copies.pop(id_slot, None)
+        return erased
 
     async def erase_idle(self, slots: set[int]) -> list[int]:
         """Empty the caches of those of `slots` that are idle now (a busy one may serve
@@ -242,14 +276,36 @@ class SlotCopies:
         )
         if copied and not reuse:
             self.saved_at = n_context
-        self.touched.update(copied)
+        self._touch(copied)
         return copied
 
     def used(self, slots: Iterable[int], fullest: int) -> None:
         """A verify batch or plain run used `slots`; `fullest` now holds the most of the
         committed context."""
-        self.touched.update(slots)
+        self._touch(slots)
         self.fullest = fullest
+
+    def _touch(self, slots: Iterable[int]) -> None:
+        """This generation uses `slots` from now on: no other clears them meanwhile."""
+        fresh = set(slots) - self.touched
+        if self.replicator is not None:
+            for id_slot in fresh:
+                self.replicator.in_flight[id_slot] += 1
+                self.replicator.left_copies.pop(id_slot, None)
+        self.touched |= fresh
+
+    def leave(self, context: Sequence[int]) -> None:
+        """The generation ended with `context` committed: the slots it touched are free
+        for others to clear, all but the fullest as copies of `context`."""
+        replicator = self.replicator
+        if replicator is None:
+            return
+        for id_slot in self.touched:
+            replicator.in_flight[id_slot] -= 1
+            if replicator.in_flight[id_slot] <= 0:
+                del replicator.in_flight[id_slot]
+            if id_slot != self.fullest:
+                replicator.left_copies[id_slot] = context
 
     async def release(self) -> list[int]:
         """Empty the slots this generation touched, all but the fullest (its whole
@@ -260,4 +316,15 @@ class SlotCopies:
         stale = self.touched - {self.fullest}
         if self.replicator is None or not self.replicator.available or not stale:
             return []
-        return await self.replicator.erase_idle(stale)
+        erased = await self.replicator.erase_idle(stale)
+        for id_slot in erased:
+            self.replicator.left_copies.pop(id_slot, None)
+        return erased
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

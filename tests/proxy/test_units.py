@@ -587,3 +587,41 @@ def test_slot_file_reuse_off_always_saves_anew():
     replicator.observe_prefill(server_ms=300.0, n_tokens=4096)
     replicator._observe_save({"n_saved": 4096, "timings": {"save_ms": 600.0}})  # the H200's
     assert not replicator.reuse_pays(gap=0, copies=3, n_context=4096)
+
+
+async def test_copies_an_ended_generation_left_are_emptied_before_another_conversation():
+    """With unified KV a prefill attends over every cell in use (a 4k prefill on the
+    H200: 1,084 ms with the other slots full, 304 ms alone), so the copies of a
+    conversation that ended are emptied before a different conversation's first prefill;
+    its fullest slot stays, and so do copies of a context the new prompt goes on from."""
+    server = SlotServer()
+    ended = slot_copies(server)
+    ended.used([0, 1, 2], fullest=2)
+    context = list(range(1, 301))
+    ended.leave(context)
+    replicator = ended.replicator
+    live = slot_copies(server)  # another generation still uses slot 4
+    live.replicator = replicator
+    live.used([4], fullest=4)
+    assert await replicator.clear_stale([*context, 7, 8, 9]) == []  # the next turn
+    assert await replicator.clear_stale(list(range(1000, 1300))) == [0, 1]
+    assert server.actions == [(0, "erase"), (1, "erase")] and replicator.left_copies == {}
+    # a copy left while slot 4 is still used by the other generation is not cleared
+    again = slot_copies(server)
+    again.replicator = replicator
+    again.used([3, 4], fullest=3)
+    again.leave(context)
+    assert await replicator.clear_stale(list(range(1000, 1300))) == []
+    live.leave(list(range(500, 800)))  # no generation uses slot 4 now: the copy `again` left
+    assert await replicator.clear_stale(list(range(1000, 1300))) == [4]
+
+
+async def test_stale_copies_stay_with_clearing_off_or_a_short_prompt():
+    server = SlotServer()
+    ended = slot_copies(server)
+    ended.used([0, 1], fullest=1)
+    ended.leave(list(range(1, 301)))
+    assert await ended.replicator.clear_stale([5] * 10) == []  # short: no gain
+    ended.replicator.clear_stale_copies = False
+    assert await ended.replicator.clear_stale(list(range(1000, 1300))) == []
+    assert server.actions == []
