@@ -49,7 +49,7 @@ class SlotReplicator:
         self.prefill_ms_per_token: float | None = None
         # copies that ended generations left in slots, by slot: that generation's
         # context (a copy holds it or a prefix of it); and the slots generations in
-        # flight use, with how many of them (`SlotCopies.clear_stale`)
+        # flight use, with how many of them (`clear_stale`)
         self.left_copies: dict[int, Sequence[int]] = {}
         self.in_flight: Counter[int] = Counter()
 
@@ -296,7 +296,8 @@ class SlotCopies:
 
     def leave(self, context: Sequence[int]) -> None:
         """The generation ended with `context` committed: the slots it touched are free
-        for others to clear, all but the fullest as copies of `context`."""
+        for others to clear, all but the fullest (which holds `context` itself, whatever
+        an earlier generation left there) as copies of `context`."""
         replicator = self.replicator
         if replicator is None:
             return
@@ -304,7 +305,9 @@ class SlotCopies:
             replicator.in_flight[id_slot] -= 1
             if replicator.in_flight[id_slot] <= 0:
                 del replicator.in_flight[id_slot]
-            if id_slot != self.fullest:
+            if id_slot == self.fullest:
+                replicator.left_copies.pop(id_slot, None)
+            else:
                 replicator.left_copies[id_slot] = context
 
     async def release(self) -> list[int]:

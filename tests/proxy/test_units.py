@@ -600,9 +600,9 @@ async def test_copies_an_ended_generation_left_are_emptied_before_another_conver
     context = list(range(1, 301))
     ended.leave(context)
     replicator = ended.replicator
-    live = slot_copies(server)  # another generation still uses slot 4
+    live = slot_copies(server)  # another generation still uses slots 4 and 6
     live.replicator = replicator
-    live.used([4], fullest=4)
+    live.used([4, 6], fullest=6)
     assert await replicator.clear_stale([*context, 7, 8, 9]) == []  # the next turn
     assert await replicator.clear_stale(list(range(1000, 1300))) == [0, 1]
     assert server.actions == [(0, "erase"), (1, "erase")] and replicator.left_copies == {}
@@ -612,7 +612,7 @@ async def test_copies_an_ended_generation_left_are_emptied_before_another_conver
     again.used([3, 4], fullest=3)
     again.leave(context)
     assert await replicator.clear_stale(list(range(1000, 1300))) == []
-    live.leave(list(range(500, 800)))  # no generation uses slot 4 now: the copy `again` left
+    live.leave(list(range(500, 800)))  # no generation uses slot 4 now: a copy again
     assert await replicator.clear_stale(list(range(1000, 1300))) == [4]
 
 
@@ -625,3 +625,14 @@ async def test_stale_copies_stay_with_clearing_off_or_a_short_prompt():
     ended.replicator.clear_stale_copies = False
     assert await ended.replicator.clear_stale(list(range(1000, 1300))) == []
     assert server.actions == []
+
+
+async def test_a_slot_that_became_another_generations_fullest_is_not_cleared_as_a_copy():
+    server = SlotServer()
+    first, second = slot_copies(server), slot_copies(server)
+    second.replicator = first.replicator
+    first.used([0, 4], fullest=0)
+    second.used([4], fullest=4)  # both use slot 4 at once
+    first.leave(list(range(1, 301)))  # slot 4 left as a copy of the first's context ...
+    second.leave(list(range(500, 800)))  # ... but it holds the second's whole context now
+    assert await first.replicator.clear_stale(list(range(1000, 1300))) == []
