@@ -103,16 +103,18 @@ case "$STAGE" in
     wait
     for size in 32b 14b; do grep -v "INFO proxy" "/tmp/strix-$size.log" | head -12; done
     ;;
-  formula)
-    FORMULA=(--context 4k -n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6
+  formula)  # FORMULA_CONTEXT: 4k (default) or 512; FORMULA_K3=1 adds the fixed k = 3 cells
+    ctx="${FORMULA_CONTEXT:-4k}"
+    FORMULA=(--context "$ctx" -n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6
       --repeats 3 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12,0.27
       --proxy-variant 'spec=--plain-runs off'
       --proxy-variant 'noreuse=--plain-runs off --slot-file-reuse off')
+    [ "${FORMULA_K3:-0}" = 1 ] && FORMULA+=(--proxy-variant 'k3=--plain-runs off -k 3 --fixed-k')
     npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' "${FORMULA[@]}" \
-      --work-dir /tmp/formula1 -o "$OUT/h200-formula-4k.json" | tail -25
+      --work-dir "/tmp/formula1-$ctx" -o "$OUT/h200-formula-$ctx.json" | tail -25
     npu bench --regime "${REGIME:-proxy/bench/regime/regimes/h200-cuda-14b-f16.toml}" \
-      "${FORMULA[@]}" --work-dir /tmp/formula2 -o "$OUT/h200-host-formula-4k-emulated.json" \
-      | tail -25
+      "${FORMULA[@]}" --work-dir "/tmp/formula2-$ctx" \
+      -o "$OUT/h200-host-formula-$ctx-emulated.json" | tail -25
     ;;
   chain)  # start, costs, then the 4k formula cells and the single cells emulated on the
           # file just built, then the Strix Halo cells: one background run (`background
