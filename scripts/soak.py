@@ -125,10 +125,17 @@ def _median_within(
     return round(values[len(values) // 2], 1)
 
 
-def rss_mb(pid: int) -> float | None:
+def _growth_pct(first: float | None, last: float | None) -> float | None:
+    return round(100 * (last - first) / first, 2) if first and last else None
+
+
+def rss_mb(pid: int, field: str = "VmRSS") -> float | None:
+    """A process's resident memory (VmRSS), or a part of it: RssAnon (its heap: what a
+    leak grows) or RssFile (pages of mapped files, such as the drafter's weights, paged
+    in as drafts touch more of the embedding; bounded by the files, reclaimable)."""
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return None
 
@@ -379,12 +386,17 @@ async def main_async(args: argparse.Namespace) -> int:
             started = time.monotonic()
             deadline = started + args.duration_s
             rss: list[tuple[float, float]] = []
+            parts: dict[str, list[tuple[float, float]]] = {"RssAnon": [], "RssFile": []}
 
             async def sample() -> None:
                 while time.monotonic() < deadline:
+                    now = time.monotonic() - started
                     value = rss_mb(proc.pid)
                     if value is not None:
-                        rss.append((time.monotonic() - started, value))
+                        rss.append((now, value))
+                    for field, series in parts.items():
+                        if (value := rss_mb(proc.pid, field)) is not None:
+                            series.append((now, value))
                     await asyncio.sleep(5)
 
             await asyncio.gather(
@@ -405,6 +417,16 @@ async def main_async(args: argparse.Namespace) -> int:
                 rss_mb_last_min_median=_median_within(rss, args.warmup_s, 60, first=False),
                 rss_mb_peak=max(after_warmup, default=None),
                 rss_mb_idle_after=rss_mb(proc.pid),
+                # the anonymous part (the heap, where a leak shows) and the file-backed
+                # part (mapped weights paged in), medians of the first and last minute
+                rss_parts_mb={
+                    field: {
+                        "first_min_median": _median_within(series, args.warmup_s, 60, True),
+                        "last_min_median": _median_within(series, args.warmup_s, 60, False),
+                        "idle_after": rss_mb(proc.pid, field),
+                    }
+                    for field, series in parts.items()
+                },
                 rss_mb_series=[[round(t), round(v, 1)] for t, v in rss],
                 server_restarts=await _metric(session, url, "npu_spec_server_restarts_total"),
                 drafter_faults=await _metric(session, url, "npu_spec_drafter_faults_total"),
@@ -426,12 +448,12 @@ async def main_async(args: argparse.Namespace) -> int:
         result["stream_differences"] = soak.stream_differences
     finally:
         await ref.stop()
-    first, last = result["rss_mb_first"], result["rss_mb_last"]
-    result["rss_growth_pct"] = round(100 * (last - first) / first, 2) if first and last else None
-    first, last = result["rss_mb_first_min_median"], result["rss_mb_last_min_median"]
-    result["rss_growth_median_pct"] = (
-        round(100 * (last - first) / first, 2) if first and last else None
+    result["rss_growth_pct"] = _growth_pct(result["rss_mb_first"], result["rss_mb_last"])
+    result["rss_growth_median_pct"] = _growth_pct(
+        result["rss_mb_first_min_median"], result["rss_mb_last_min_median"]
     )
+    for part in result["rss_parts_mb"].values():
+        part["growth_median_pct"] = _growth_pct(part["first_min_median"], part["last_min_median"])
     counts, greedy = result["counts"], result["greedy"]
     print(json.dumps(result, indent=1))
     print(
@@ -443,7 +465,9 @@ async def main_async(args: argparse.Namespace) -> int:
         f"{greedy.get('unexplained', 0) + greedy.get('stream_unexplained', 0)} "
         f"({greedy.get('near_tie', 0) + greedy.get('stream_near_tie', 0)} near-ties) | "
         f"{result['rss_growth_pct']}% (medians of first and last minute: "
-        f"{result['rss_growth_median_pct']}%; peak {result['rss_mb_peak']} MiB) |"
+        f"{result['rss_growth_median_pct']}%; peak {result['rss_mb_peak']} MiB; anonymous "
+        f"{result['rss_parts_mb']['RssAnon']['growth_median_pct']}%, file-backed "
+        f"{result['rss_parts_mb']['RssFile']['growth_median_pct']}%) |"
     )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
