@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from npu_draft.protocol import common_prefix_length
 from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -133,14 +134,11 @@ class SlotReplicator:
         stale = {
             id_slot for id_slot, context in self.left_copies.items()
             if id_slot not in self.in_flight
-            and _common_prefix(context, prompt) < len(context) // 2
+            and common_prefix_length(context, prompt) < len(context) // 2
         }  # fmt: skip
         if not stale:
             return []
-        erased = await self.erase_idle(stale)
-        for id_slot in erased:
-            self.left_copies.pop(id_slot, None)
-        return erased
+        return await self.erase_idle(stale)
 
     async def erase_idle(self, slots: set[int]) -> list[int]:
         """Empty the caches of those of `slots` that are idle now (a busy one may serve
@@ -152,6 +150,7 @@ class SlotReplicator:
             for id_slot in sorted(slots & idle):
                 await self.upstream.slot_action(id_slot, "erase", "")
                 erased.append(id_slot)
+                self.left_copies.pop(id_slot, None)  # nothing left there to clear
         except (UpstreamClientError, UpstreamError) as exc:
             log.info("emptying idle slots failed (%s); plain decoding may run slower", exc)
         return erased
@@ -319,15 +318,4 @@ class SlotCopies:
         stale = self.touched - {self.fullest}
         if self.replicator is None or not self.replicator.available or not stale:
             return []
-        erased = await self.replicator.erase_idle(stale)
-        for id_slot in erased:
-            self.replicator.left_copies.pop(id_slot, None)
-        return erased
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+        return await self.replicator.erase_idle(stale)
