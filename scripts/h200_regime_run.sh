@@ -15,6 +15,7 @@
 #           this host one after the other: is the draft-length rule repeatable?
 #   concurrency  scripts/h200_concurrency_run.sh bench (many users, issue 30)
 #   chain   start, costs, formula and emulate (on the file just built), strix, in a row
+#   s14     start, the 512 cells real and emulated, the 4k clear-stale A/B, strix
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -103,15 +104,22 @@ case "$STAGE" in
     wait
     for size in 32b 14b; do grep -v "INFO proxy" "/tmp/strix-$size.log" | head -12; done
     ;;
-  formula)  # FORMULA_CONTEXT: 4k (default) or 512; FORMULA_K3=1 adds the fixed k = 3 cells
+  formula)  # FORMULA_CONTEXT: 4k (default) or 512; FORMULA_K3=1 adds the fixed k = 3 cells;
+            # FORMULA_NOREUSE=0 drops the --slot-file-reuse off cells, FORMULA_DEFAULTS=1
+            # adds the defaults; FORMULA_REAL_ONLY=1 skips the emulated run
     ctx="${FORMULA_CONTEXT:-4k}"
     FORMULA=(--context "$ctx" -n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6
-      --repeats 3 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12,0.27
-      --proxy-variant 'spec=--plain-runs off'
-      --proxy-variant 'noreuse=--plain-runs off --slot-file-reuse off')
+      --repeats "${FORMULA_REPEATS:-3}" --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77
+      --oracle-delay-steps "${FORMULA_X:-0.12,0.27}" --proxy-variant 'spec=--plain-runs off')
+    [ "${FORMULA_NOREUSE:-1}" = 1 ] && \
+      FORMULA+=(--proxy-variant 'noreuse=--plain-runs off --slot-file-reuse off')
     [ "${FORMULA_K3:-0}" = 1 ] && FORMULA+=(--proxy-variant 'k3=--plain-runs off -k 3 --fixed-k')
+    [ "${FORMULA_DEFAULTS:-0}" = 1 ] && FORMULA+=(--proxy-variant 'defaults=')
+    [ "${FORMULA_KEEP:-0}" = 1 ] && \
+      FORMULA+=(--proxy-variant 'keep=--plain-runs off --clear-stale-copies off')
     npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' "${FORMULA[@]}" \
       --work-dir "/tmp/formula1-$ctx" -o "$OUT/h200-formula-$ctx.json" | tail -25
+    [ "${FORMULA_REAL_ONLY:-0}" = 1 ] && exit 0
     npu bench --regime "${REGIME:-proxy/bench/regime/regimes/h200-cuda-14b-f16.toml}" \
       "${FORMULA[@]}" --work-dir "/tmp/formula2-$ctx" \
       -o "$OUT/h200-host-formula-$ctx-emulated.json" | tail -25
@@ -125,6 +133,15 @@ case "$STAGE" in
       || echo "formula FAILED"
     REGIME=/tmp/h200-cuda-14b-f16.toml EMULATE_CHAT=0 bash scripts/h200_regime_run.sh emulate \
       || echo "emulate FAILED"
+    bash scripts/h200_regime_run.sh strix || echo "strix FAILED"
+    ;;
+  s14)  # session 14's chain: start; the 512 cells (formula, k3, defaults) real and
+        # emulated; the 4k clear-stale A/B, real only; the Strix Halo cells on this host
+    bash scripts/h200_regime_run.sh start
+    FORMULA_CONTEXT=512 FORMULA_K3=1 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 \
+      bash scripts/h200_regime_run.sh formula || echo "formula 512 FAILED"
+    FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_KEEP=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
+      FORMULA_REAL_ONLY=1 bash scripts/h200_regime_run.sh formula || echo "formula 4k FAILED"
     bash scripts/h200_regime_run.sh strix || echo "strix FAILED"
     ;;
   concurrency)  # issue 30's H200 run (scripts/h200_concurrency_run.sh), here to run it in
