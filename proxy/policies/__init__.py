@@ -78,9 +78,11 @@ class Policies:
 
     def observe(self, record: RoundRecord) -> None:
         """A round ended: the draft-length policy and the plain-run gate learn from it
-        (the gate only from rounds without other streams: it compares rates alone)."""
+        (the gate only from rounds without other streams: it compares rates alone; and
+        not from rounds sent at a length chosen to measure it, such as the first sweep's
+        k = 2 rounds that cross Strix Halo's 8-token edge)."""
         if self.plain_runs is not None and (self.slots is None or self.slots.alone()):
-            self.plain_runs.observe(record)
+            self.plain_runs.observe(record, exploring=self.draft_length.exploring_now())
         self.draft_length.observe(record)
 
     def observe_next_draft(self, record: RoundRecord) -> None:

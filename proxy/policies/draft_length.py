@@ -27,11 +27,17 @@ changes nothing (each later position gains less and costs the same).
 
 The formula only knows the verify time of lengths it has sent. Extrapolating with a
 prior slope misjudges where verification grows faster than that (on a CPU every
-prompt token costs; the k+1-prompt batch grows as k^2), and a policy that always sends
-one length never learns the others. So once the first rounds are measured, the policy
-sends each length a few times (`_SWEEP_SAMPLES`), and later, every `_EXPLORE_EVERY`
-rounds, one round one draft longer or shorter than its choice; a length measured to lose
-much is tried less often (up to 16 times less), since each try costs what it loses.
+prompt token costs; the k+1-prompt batch grows as k^2; on Strix Halo's Vulkan a round
+past 8 tokens costs 3.4 steps instead of 1.3), and a policy that always sends one length
+never learns the others. So from the first round the policy sweeps the lengths from
+the shortest up, each a few times (`_SWEEP_SAMPLES`), and stops going longer once a
+length is measured to lose more than `_SWEEP_STOP` of the best rate so far: on a cliff
+the costly lengths are sent a few times, not for the rounds an unmeasured choice would
+keep them. Between and beyond the lengths measured, the verify time follows the
+measured curve (interpolated, extrapolated along its outermost segment), not a prior
+slope. Later, every `_EXPLORE_EVERY` rounds, one round one draft longer or shorter than
+its choice; a length measured to lose much is tried less often (up to 16 times less),
+since each try costs what it loses.
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ _MIN_LENGTH_SAMPLES = 3  # rounds of one draft length before its mean verify tim
 
 
 _ACCEPT_ALPHA = 0.05  # the formula's acceptance: E(k) is steep in a, so average longer
-_SWEEP_SAMPLES = 2  # rounds each length is sent once the first rounds are measured
+_SWEEP_SAMPLES = 2  # rounds each length is sent by the first sweep
+_SWEEP_STOP = 0.25  # the sweep goes no longer once a length loses this share of the best rate
 _EXPLORE_EVERY = 16  # then one round beside the choice every so many rounds
 
 
@@ -102,6 +109,7 @@ class DraftLengthPolicy:
         self._by_length: dict[int, tuple[float, int]] = {}  # n -> (mean verify ms, rounds)
         self._slope = _PRIOR_VERIFY_SLOPE_MS
         self.prompts_per_round: float | None = None  # verify prompts (slots) per round
+        self._explored: set[int] = set()  # round indexes `decide` chose to measure a length
 
     def decide(self, ahead: bool, upcoming: int = 0) -> tuple[int, int]:
         """(the most drafts the next round should send, the most where it drafts them
@@ -110,21 +118,27 @@ class DraftLengthPolicy:
         answer as that round will when it starts."""
         explored = self.exploring(ahead, self.rounds + upcoming)
         if explored is not None:
+            self._explored.add(self.rounds + upcoming)
             return explored, explored
         return self.length(ahead), self.fresh_length(ahead)
 
+    def exploring_now(self) -> bool:
+        """The round about to be observed was sent at a length chosen to measure it,
+        not at the formula's choice: what it cost says little about speculation at its
+        best (the plain-run gate does not judge by it)."""
+        return self.rounds in self._explored
+
     def exploring(self, ahead: bool, round_index: int) -> int | None:
         """A length to measure instead of the formula's choice in round `round_index`
-        (counted in observed rounds): each length `_SWEEP_SAMPLES` times after the first
-        rounds (the longest first), then every `_EXPLORE_EVERY` rounds one draft longer
-        or shorter than the choice, in turn."""
-        if not self.adaptive or self.rule not in _FORMULA_RULES or round_index < _MIN_ROUNDS:
+        (counted in observed rounds): the first sweep (`_sweep_length`), then every
+        `_EXPLORE_EVERY` rounds one draft longer or shorter than the choice, in turn."""
+        if not self.adaptive or self.rule not in _FORMULA_RULES:
             return None
         if round_index < _MIN_ROUNDS + _SWEEP_SAMPLES * self.k_max:
-            for n in range(self.k_max, 0, -1):
-                if self._by_length.get(n, (0.0, 0))[1] < _SWEEP_SAMPLES:
-                    return n
-        if round_index % _EXPLORE_EVERY:
+            swept = self._sweep_length(ahead)
+            if swept is not None:
+                return swept
+        if round_index < _MIN_ROUNDS or round_index % _EXPLORE_EVERY:
             return None
         chosen = self.length(ahead)
         step = 1 if (round_index // _EXPLORE_EVERY) % 2 else -1
@@ -135,6 +149,19 @@ class DraftLengthPolicy:
         if round_index % (_EXPLORE_EVERY * self._explore_spacing(ahead, chosen, neighbour)):
             return None
         return neighbour
+
+    def _sweep_length(self, ahead: bool) -> int | None:
+        """The shortest length not yet sent `_SWEEP_SAMPLES` times, unless the longest
+        one measured already loses more than `_SWEEP_STOP` of the best measured rate
+        (the curve only gets steeper past a cost cliff); None when the sweep is over."""
+        rates: dict[int, float] = {}
+        for n in range(1, self.k_max + 1):
+            if self._by_length.get(n, (0.0, 0))[1] < _SWEEP_SAMPLES:
+                if rates and rates[n - 1] < (1.0 - _SWEEP_STOP) * max(rates.values()):
+                    return None
+                return n
+            rates[n] = self.expected_tokens(n) / max(self.round_ms_model(n, ahead), 1e-6)
+        return None
 
     def _explore_spacing(self, ahead: bool, chosen: int, other: int) -> int:
         """How many exploring slots to skip between tries of `other`: 1, plus one per
@@ -251,17 +278,30 @@ class DraftLengthPolicy:
         return best
 
     def verify_ms_at(self, n: int) -> float:
-        """Mean verify time of rounds with n drafts: measured where there are enough
-        samples, else extrapolated from the nearest measured length by the slope."""
-        known = {m: v for m, (v, c) in self._by_length.items() if c >= _MIN_LENGTH_SAMPLES}
+        """Mean verify time of rounds with n drafts: measured where the sweep's samples
+        exist; between measured lengths, interpolated; beyond them, extrapolated along
+        the measured curve's outermost segment (the fitted slope where one length is
+        measured). A prior slope would hide a cost cliff: on Strix Halo's Vulkan the
+        k = 2 round costs twice the k = 1 round, not a millisecond more."""
+        known = {m: v for m, (v, c) in self._by_length.items() if c >= _SWEEP_SAMPLES}
         if not known:
             known = {m: v for m, (v, _c) in self._by_length.items()}
         if not known:
             return 0.0
         if n in known:
             return known[n]
-        nearest = min(known, key=lambda m: (abs(m - n), m))
-        return max(known[nearest] + self.verify_slope_ms() * (n - nearest), 0.0)
+        below = [m for m in known if m < n]
+        above = [m for m in known if m > n]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return known[lo] + (known[hi] - known[lo]) * (n - lo) / (hi - lo)
+        side = sorted(below or above, key=lambda m: abs(m - n))
+        if len(side) >= 2:
+            near, far = side[0], side[1]
+            slope = max((known[near] - known[far]) / (near - far), 0.0)
+        else:
+            near, slope = side[0], self.verify_slope_ms()
+        return max(known[near] + slope * (n - near), 0.0)
 
     def worth(self, position: int, cumulative_p: float) -> bool:
         """Draft position `position` (1-based), whose drafts so far have joint p?"""
@@ -321,7 +361,9 @@ class DraftLengthPolicy:
             ms = np.array([v for _, v in self._verify], dtype=np.float64)
             if ks.var() >= 0.25:
                 slope = float(np.cov(ks, ms, bias=True)[0, 1] / ks.var())
-                return min(max(slope, 0.0), 20.0)
+                # at most a whole round's time per draft: a fixed cap (it was 20 ms)
+                # hid the Strix Halo 32B's cliff, where one draft costs ~200 ms
+                return min(max(slope, 0.0), float(ms.max()))
         return _PRIOR_VERIFY_SLOPE_MS
 
     def observe(self, record: RoundRecord) -> None:
@@ -355,6 +397,7 @@ class DraftLengthPolicy:
         self.proxy_ms = _ema(self.proxy_ms, record.overhead_ms)
         self._best = self._two = None
         self.rounds += 1
+        self._explored = {i for i in self._explored if i >= self.rounds}
 
     def _observe_verify(self, n: int, verify_ms: float) -> None:
         """The verify time of a round of n drafts: the slope fit and the per-length mean."""

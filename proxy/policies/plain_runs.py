@@ -160,16 +160,18 @@ class PlainRunGate:
         """The gate waits for the drafter's speed before speculating."""
         return self.mode != "off" and self.draft_ms is None
 
-    def observe(self, record: RoundRecord) -> None:
+    def observe(self, record: RoundRecord, exploring: bool = False) -> None:
         """One round of a generation: a plain run, or a speculative round that measures
         speculation (steady) or that catches the slots up on the runs' tokens (the first
         round of a generation prefills its prompt: no rate at all), and in every
         speculative round the drafter's own speed, which tells a drafter too slow to win
-        apart."""
+        apart. `exploring`: the draft-length policy sent the round at a length it
+        measures, not at its choice; like a catch-up round it is part of what a
+        re-measurement costs, not a speculation speed."""
         if record.plain_run:
             self._observe_run(record.verify_ms, record.n_run_tokens, record.drafter_busy)
             return
-        if record.catch_up:
+        if record.catch_up or exploring:
             self._observe_catch_up(record.round_ms, record.n_committed)
         elif not record.first:
             self._observe_round(record.round_ms, record.n_committed)

@@ -271,7 +271,8 @@ async def generate_with_copies(
             prompt,
             GenerationParams(n_predict=n_predict),
             drafter,
-            settings=EngineSettings(k=k, check_decodes=True, strict_decodes=True),
+            # fixed k: the copies' tests count what the first rounds of k drafts ingest
+            settings=EngineSettings(k=k, adaptive=False, check_decodes=True, strict_decodes=True),
             replicator=replicator,
             **options,
         )

@@ -664,16 +664,18 @@ def test_the_formula_sweeps_every_length_then_explores_beside_its_choice():
 
     policy = DraftLengthPolicy(6)
     sent = play(policy, 400, STEEP, 0.77)
-    assert sent[:_MIN_ROUNDS] == [6] * _MIN_ROUNDS  # nothing measured: every draft
-    sweep = sent[_MIN_ROUNDS : _MIN_ROUNDS + _SWEEP_SAMPLES * 6]
-    assert all(sweep.count(n) >= _SWEEP_SAMPLES for n in range(1, 6))
+    # from the first round, the shortest lengths first, each _SWEEP_SAMPLES times
+    sweep_end = _MIN_ROUNDS + _SWEEP_SAMPLES * 6
+    sweep = sent[:sweep_end]
+    assert sweep[: 2 * _SWEEP_SAMPLES] == [1] * _SWEEP_SAMPLES + [2] * _SWEEP_SAMPLES
     # measured, a steep cost curve asks for short rounds; without the sweep only k = 6
     # would be known and the prior slope would keep the policy there
     policy._successes, policy._failures = 0.77, 0.23
     policy._best = policy._two = None
     chosen = policy.length(True)
     assert chosen == max(STEEP, key=lambda k: ((1 - 0.77 ** (k + 1)) / 0.23) / STEEP[k])
-    later = sent[_MIN_ROUNDS + _SWEEP_SAMPLES * 6 :]
+    assert all(sweep.count(n) >= _SWEEP_SAMPLES for n in range(1, chosen + 2))
+    later = sent[sweep_end:]
     explored = [
         k for i, k in enumerate(later) if k != later[i - 1] and k != later[(i + 1) % len(later)]
     ]
@@ -681,6 +683,35 @@ def test_the_formula_sweeps_every_length_then_explores_beside_its_choice():
     assert explored and len(explored) < len(later) // _EXPLORE_EVERY
     settled = later[later.index(chosen) :]
     assert all(abs(k - chosen) == 1 for k in settled if k != chosen)
+
+
+# Strix Halo 32B's Vulkan rounds: a k = 2 round costs twice a k = 1 round (its 9-token
+# rounds cross the 8-token matrix-vector edge) and every draft beyond costs ~115 ms more
+CLIFF = {1: 112.0, 2: 226.0, 3: 340.0, 4: 410.0, 5: 480.0, 6: 560.0}
+
+
+def test_the_sweep_stops_going_longer_past_a_cost_cliff():
+    from proxy.policies.draft_length import _SWEEP_SAMPLES
+
+    policy = DraftLengthPolicy(6)
+    sent = play(policy, 200, CLIFF, 0.8)
+    assert sent[: 2 * _SWEEP_SAMPLES] == [1] * _SWEEP_SAMPLES + [2] * _SWEEP_SAMPLES
+    # k = 2 loses over a third of k = 1's rate: nothing longer is swept, and the curve
+    # past it is extrapolated along the measured segment, not by a prior slope
+    assert max(sent[: 6 * _SWEEP_SAMPLES]) == 2
+    assert policy.verify_ms_at(4) == pytest.approx(CLIFF[2] + 2 * (CLIFF[2] - CLIFF[1]), rel=0.05)
+    assert policy.length(True) == 1
+    assert sum(k >= 3 for k in sent) == 0
+    assert sent[-50:].count(1) >= 45  # settled, with rare tries of k = 2
+
+
+def test_the_verify_curve_interpolates_between_measured_lengths():
+    policy = DraftLengthPolicy(6)
+    for k, ms in ((1, 10.0), (1, 10.0), (4, 40.0), (4, 40.0)):
+        policy.observe(steady_round([1.0] * k, k, k + 1, 0.0, ms, ms, fresh_tokens=k,
+                                    fresh_ms=0.0, resynced=True))  # fmt: skip
+    assert policy.verify_ms_at(2) == pytest.approx(20.0)
+    assert policy.verify_ms_at(6) == pytest.approx(60.0)
 
 
 def test_a_neighbour_that_loses_much_is_explored_less_often():

@@ -81,8 +81,11 @@ async def test_gate_picks_plain_runs_when_drafts_are_never_accepted(
         assert proxy.state.metrics.plain_runs > 0
         assert gate["plain_chosen"], gate
         # either the drafter, timed beside the first plain run, was too slow to win
-        # at all, or its rounds (one token each) measured dearer than plain runs
-        assert gate["hopeless"] or gate["plain_ms_per_token"] < gate["spec_ms_per_token"], gate
+        # at all (the reason the log gives; its speed measured later may differ), or
+        # its rounds (one token each) measured dearer than plain runs
+        if "allows speculating no faster than" not in switches[0]:
+            assert gate["spec_ms_per_token"] is not None, (switches, gate)
+            assert gate["plain_ms_per_token"] < gate["spec_ms_per_token"], (switches, gate)
         metrics = await (await proxy.session.get(proxy.url + "/metrics")).text()
         assert "npu_spec_plain_runs_chosen 1" in metrics
         # the next requests go to llama-server whole, the same text, until one re-measures

@@ -169,7 +169,8 @@ async def _run(upstream, drafter, n_predict=-1, k=4, n_ctx=1000, stop=()):
         n_ctx=n_ctx,
         drafter=drafter,
         pieces=PieceCache(upstream),
-        settings=EngineSettings(k=k, check_decodes=True, strict_decodes=True),
+        # fixed k: these tests check a round's mechanics, not the draft-length policy
+        settings=EngineSettings(k=k, adaptive=False, check_decodes=True, strict_decodes=True),
     )
     tokens = [event.token async for event in generation.run()]
     return tokens, generation.result
@@ -414,7 +415,7 @@ async def test_replication_failure_only_costs_speed():
     generation = Generation(
         upstream, [1, 2], GenerationParams(n_predict=8), 1000,
         ScriptDrafter(script, 2), PieceCache(upstream), replicator=replicator,
-        settings=EngineSettings(k=3),
+        settings=EngineSettings(k=3, adaptive=False),
     )  # fmt: skip
     tokens = [event.token async for event in generation.run()]
     assert tokens == script[:8] and not replicator.available

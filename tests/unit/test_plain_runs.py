@@ -317,3 +317,20 @@ def test_plain_runs_beside_the_drafters_background_work_are_no_plain_speed():
     assert not gate.measuring_first()
     speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=60.0)
     assert gate.prefers_plain()  # against the true plain speed, at once
+
+
+@pytest.mark.parametrize("exploring", [True, False])
+def test_rounds_sent_to_measure_a_length_are_no_speculation_speed(exploring):
+    """The draft-length policy's first sweep sends costly lengths on purpose (on Strix
+    Halo's 32B a k = 2 round can cost 3.4 steps); judged by them, the gate chose plain
+    runs after six rounds although speculation at the chosen length wins."""
+    gate = PlainRunGate("auto")
+    begin(gate, 90.0)
+    for _ in range(MIN_SPEC_ROUNDS):  # the sweep: 160 ms a token, far worse than plain
+        assert gate.decide() == 0
+        gate.observe(steady(320.0, 2), exploring=exploring)
+    assert gate.plain_chosen is not exploring
+    if exploring:
+        speculate(gate, MIN_SPEC_ROUNDS, 60.0, tokens=2)  # the chosen length: 60 ms a token
+        assert not gate.plain_chosen
+        assert gate.snapshot()["spec_ms_per_token"] == pytest.approx(60.0)
