@@ -20,6 +20,18 @@ def expected_tokens_per_round(a: float, k: float) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def expected_round_ms(a: float, ms_after: dict[int, float]) -> float | None:
+    """A k-draft round's mean time when its cost depends on how many of the previous
+    round's k drafts were accepted (each slot catches up on the accepted tokens it
+    lacks): sum over j of P(j) ms_after[j], with P(j) = a^j (1 - a) for j < k and a^k
+    for j = k (k = the largest j given). None unless every j = 0..k is given."""
+    k = max(ms_after, default=-1)
+    if k < 0 or any(j not in ms_after for j in range(k + 1)):
+        return None
+    chance = [a**j * (1.0 - a) for j in range(k)] + [a**k]
+    return sum(p * ms_after[j] for j, p in enumerate(chance))
+
+
 def expected_accepted_per_round(a: float, k: int) -> float:
     return expected_tokens_per_round(a, k) - 1.0
 

@@ -103,7 +103,9 @@ def render_table(result: dict[str, Any]) -> str:
         "tok/s: decode speed (tokens-1)/(last-first token), median over repeats [min-max].",
         "ideal (k): max over k of E(k)/t_v(k) at the row's a iid, E(k) = (1-a^(k+1))/(1-a), "
         "t_v(k) = the k+1-prompt round measured on a managed-mode server at this context "
-        "(result round_costs): a free draft, the stock API's limit. overlap (k): max over k "
+        "(result round_costs), after each number j of the last round's drafts accepted and "
+        "weighted by the row's chance of j (each slot catches up on what it lacks): a free "
+        "draft, the stock API's limit. overlap (k): max over k "
         "of E(k)/T(k), T(k) = t_v(k) + (1-a^(k+1))(t_resync + k t_d): drafting ahead along "
         "the all-accepted line. t_d: proxy = draft ms per drafted token from its /metrics "
         "(re-sync included, t_resync = 0); oracle = its delay; builtin = llama.cpp's draft() "

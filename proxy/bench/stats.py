@@ -30,6 +30,7 @@ from typing import Any
 
 from proxy.bench.costmodel import (
     acceptance_from_positions,
+    expected_round_ms,
     ideal_ceiling,
     overlap_ceiling,
     predict,
@@ -328,14 +329,21 @@ def _draft_cost(
 def ceiling_keys(
     entry: dict[str, Any], runs: list[dict[str, Any]], round_ms: dict[int, float],
     plain_tok_s: float | None, draft_shape: str,
+    round_ms_after: dict[int, dict[int, float]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The flat ROW_KEYS of one summary row: its speed, and the ideal and overlap
-    ceilings at its own measured acceptance over the session's t_v(k)."""
+    ceilings at its own measured acceptance over the session's t_v(k): where the
+    rounds after each number accepted were measured (`round_ms_after`, verify-cost
+    part h), t_v(k) is their mean weighted by that acceptance, so the ceiling pays the
+    catch-up a real k-draft round carries; else the round after k // 2 accepted."""
     kind, summary = entry["kind"], entry["summary"]
     params = (runs[0].get("mode_params") or {}) if runs else {}
     a = summary.get("acceptance_iid") if kind != "plain" else None
     tok_s = summary["tokens_per_s_median"]
     t_d, resync, note = _draft_cost(kind, summary, params)
+    if a is not None and round_ms_after:  # the catch-up after each j, at this row's a
+        weighted = {k: expected_round_ms(a, by_j) for k, by_j in round_ms_after.items()}
+        round_ms = {k: ms for k, ms in weighted.items() if ms} or round_ms
     ideal = ideal_ceiling(a, round_ms) if a is not None else None
     overlap = (
         overlap_ceiling(a, round_ms, t_d, resync) if a is not None and t_d is not None else None
@@ -372,6 +380,16 @@ def _round_ms(round_costs: dict[str, Any] | None, context: int | None) -> dict[i
     return {int(k): float(ms) for k, ms in (costs.get("round_ms") or {}).items() if ms}
 
 
+def _round_ms_after(
+    round_costs: dict[str, Any] | None, context: int | None
+) -> dict[int, dict[int, float]]:
+    costs = (round_costs or {}).get(str(context)) or {}
+    return {
+        int(k): {int(j): float(ms) for j, ms in by_j.items() if ms}
+        for k, by_j in (costs.get("round_ms_after") or {}).items()
+    }
+
+
 def summary_rows(
     runs: list[dict[str, Any]], instances: list[dict[str, Any]],
     round_costs: dict[str, Any] | None = None, draft_shape: str = "core",
@@ -398,8 +416,8 @@ def summary_rows(
         mine = entry["summary"]["tokens_per_s_median"]
         entry["speedup_vs_plain"] = mine / base if base and mine else None
         group = groups[(entry["context"], entry["k"], entry["mode"], entry["kind"])]
-        entry.update(
-            ceiling_keys(entry, group, _round_ms(round_costs, entry["context"]), base, draft_shape)
-        )
+        context = entry["context"]
+        rounds, after = _round_ms(round_costs, context), _round_ms_after(round_costs, context)
+        entry.update(ceiling_keys(entry, group, rounds, base, draft_shape, after))
     entries.sort(key=lambda e: (e["context"] or 0, e["k"], KIND_ORDER[e["kind"]], e["mode"]))
     return entries

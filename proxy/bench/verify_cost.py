@@ -24,6 +24,11 @@ ids (the cost of a pass does not depend on which tokens it sees):
   the server's prompt_ms), saving it and restoring it into another slot (each
   action's wall ms and the server's own save_ms / restore_ms). The regime server's
   files take their prefill and copy costs from this row;
+- h: part d's round after each number j = 0..k of the previous round's drafts was
+  accepted (d takes j = k // 2 only): a round catches up on the j accepted tokens in
+  every slot that held fewer, so it ingests (k+1)(k+2)/2 + j(j+1)/2 tokens, and on
+  Vulkan the larger j cross the 8-token matrix-vector edge. The bench's ceilings weight
+  these by the chance of each j (`proxy.bench.costmodel.expected_round_ms`);
 - g: the same with every other slot holding a stale context of the same length, as
   when a new request comes after earlier ones filled the slots: with unified KV the
   prefill's queries may attend over every cell of the pool, and a save or restore
@@ -79,7 +84,7 @@ from proxy.server.upstream import (
 log = logging.getLogger(__name__)
 
 SCHEMA = "npu-spec-verify-cost/1"
-PARTS = ("a", "b", "c", "d", "e", "f", "g")
+PARTS = ("a", "b", "c", "d", "e", "f", "g", "h")
 DECODES = "llamacpp:n_decode_total"
 PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
@@ -320,9 +325,10 @@ class Bench:
                 samples.append(sample)
         return samples
 
-    async def rounds(self, ctx: list[int], k: int) -> list[dict[str, Any]]:
-        """d/e: steady-state verify rounds; slot i must already hold `ctx` for i <= k."""
-        j = k // 2
+    async def rounds(self, ctx: list[int], k: int, j: int | None = None) -> list[dict[str, Any]]:
+        """d/e/h: steady-state verify rounds after j accepted (default k // 2); slot i
+        must already hold `ctx` for i <= k."""
+        j = k // 2 if j is None else j
         drafts = self.tokens(k)
         # untimed: lay out the slots as a previous round leaves them (ctx + d1..di)
         await self.client.completion(_round_body(ctx, drafts))
@@ -369,6 +375,7 @@ def slot_ctx_needed(options: VerifyCostOptions, context: int) -> int:
         options.plain_tokens + 1,
         rounds * max([*options.new_tokens, 1]),
         *((rounds + 1) * (k // 2 + 1) + k + 1 for k in ks),
+        *((rounds + 1) * (k + 1) + k + 1 for k in (ks if "h" in options.parts else [])),
     ]
     return context + max(grow) + 16
 
@@ -424,8 +431,9 @@ class Session:
         self, variant: Variant, context: int, part: str, what: str, np: int,
         samples: list[dict[str, Any]], **extra: Any,
     ) -> None:  # fmt: skip
-        if "k" in extra:  # a verify round: what it must ingest at j = k // 2
-            extra["expected_tokens"] = expected_round_tokens(extra["k"], extra["k"] // 2)
+        if "k" in extra:  # a verify round: what it must ingest at j (d, e: k // 2)
+            j = extra.get("accepted", extra["k"] // 2)
+            extra["expected_tokens"] = expected_round_tokens(extra["k"], j)
         row = {"variant": variant.name, "context": context, "part": part, "what": what,
                "np": np, **extra, **summarize(samples), "samples": samples}  # fmt: skip
         self.rows.append(row)
@@ -460,6 +468,13 @@ class Session:
                 samples = await bench.rounds(ctx, k)
                 self._row(variant, context, "d", f"d: k={k}, k+1 prompts", slots, samples,
                           k=k, idle_slots="empty")  # fmt: skip
+            for k in o.ks if "h" in o.parts else []:
+                for j in range(k + 1):
+                    await bench.erase_all(slots)
+                    await bench.fill(list(range(k + 1)), ctx, "ctx.bin")
+                    samples = await bench.rounds(ctx, k, j)
+                    self._row(variant, context, "h", f"h: k={k}, after {j} accepted", slots,
+                              samples, k=k, accepted=j, idle_slots="empty")  # fmt: skip
             if "f" in o.parts:
                 samples = await bench.copies(context, slots)
                 self._row(variant, context, "f", "f: cold prefill, save, restore", slots, samples)
@@ -536,16 +551,21 @@ async def run_verify_cost(
 class RoundCosts:
     """What `npu-spec bench` needs from this microbenchmark at one context: the
     plain step (ms per token in the server's own loop) and the k+1-prompt round's
-    wall ms by k (t_v(k), client side, as the proxy's verify_ms counts it)."""
+    wall ms by k (t_v(k), client side, as the proxy's verify_ms counts it): after
+    k // 2 accepted (`round_ms`, part d) and after each j accepted (`round_ms_after`,
+    part h: k -> j -> ms)."""
 
     context: int
     plain_ms: float | None
     round_ms: dict[int, float]
     result: dict[str, Any]  # the whole verify-cost result (servers, rows, errors)
+    round_ms_after: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"context": self.context, "plain_ms": self.plain_ms,
                 "round_ms": {str(k): v for k, v in self.round_ms.items()},
+                "round_ms_after": {str(k): {str(j): v for j, v in by_j.items()}
+                                   for k, by_j in self.round_ms_after.items()},
                 "verify_cost": self.result}  # fmt: skip
 
 
@@ -554,12 +574,12 @@ async def measure_round_costs(
     threads: int | None = None, llama_server: Path | None = None, work_dir: Path | None = None,
     repeats: int = 8, warmup: int = 2, plain_tokens: int = 32, startup_timeout: float = 600.0,
 ) -> RoundCosts:  # fmt: skip
-    """Parts a and d at one context on one server started as managed mode starts it
-    (with `server_args`), with max(ks) + 1 slots."""
+    """Parts a, d and h at one context on one server started as managed mode starts
+    it (with `server_args`), with max(ks) + 1 slots."""
     ks = sorted(set(ks))
     options = VerifyCostOptions(
         target=target, variants=[Variant("bench", list(server_args))], contexts=[context],
-        ks=ks, new_tokens=[], np_large=max(ks) + 1, np_ks=[], parts=["a", "d"],
+        ks=ks, new_tokens=[], np_large=max(ks) + 1, np_ks=[], parts=["a", "d", "h"],
         repeats=repeats, warmup=warmup, plain_tokens=plain_tokens, threads=threads,
         llama_server=llama_server, work_dir=work_dir, startup_timeout=startup_timeout,
     )  # fmt: skip
@@ -568,7 +588,11 @@ async def measure_round_costs(
         raise RuntimeError(f"measuring round costs at {context}: {result['errors']}")
     plain = [r["ms_median"] for r in result["rows"] if r["part"] == "a"]
     rounds = {r["k"]: r["ms_median"] for r in result["rows"] if r["part"] == "d"}
-    return RoundCosts(context, plain[0] if plain else None, rounds, result)
+    after: dict[int, dict[int, float]] = {}
+    for r in result["rows"]:
+        if r["part"] == "h" and r["ms_median"]:
+            after.setdefault(r["k"], {})[r["accepted"]] = r["ms_median"]
+    return RoundCosts(context, plain[0] if plain else None, rounds, result, after)
 
 
 # -- output -----------------------------------------------------------------------
@@ -659,7 +683,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="e: for these k, -np k+1 vs --np-large with idle slots full ('none' skips)",
     )
     parser.add_argument(
-        "--parts", type=_parts, default=list(PARTS), help="comma list of a,b,c,d,e,f,g"
+        "--parts", type=_parts, default=list(PARTS), help="comma list of a,b,c,d,e,f,g,h"
     )
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per row")

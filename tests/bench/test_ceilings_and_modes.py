@@ -138,6 +138,14 @@ def test_summary_rows_carry_the_ceiling_keys() -> None:
     assert proxy["draft_shape"] == "qwen3-0.6b"
     synth = rows["builtin-synth"]
     assert not synth["output_valid"] and synth["summary"]["n_compared"] == 0
+    # with the rounds after each number accepted (part h), t_v(k) pays the catch-up at
+    # the row's own acceptance: a cliff at k = 2 after 2 accepted moves the ideal to k = 1
+    after = {"1": {"0": 10.0, "1": 10.5}, "2": {"0": 10.5, "1": 11.0, "2": 40.0}}
+    cliff = {"512": {**costs["512"], "round_ms_after": after}}
+    weighted = {1: 10.0 * (1 - a) + 10.5 * a, 2: 10.5 * (1 - a) + 11.0 * a * (1 - a) + 40 * a * a}
+    row = {r["kind"]: r for r in summary_rows(runs, [], cliff, "qwen3-0.6b")}["oracle"]
+    assert row["ideal_tok_s"] == pytest.approx(ideal_ceiling(a, weighted).tokens_per_s)
+    assert row["ideal_k"] == 1 and oracle["ideal_k"] != 1
     # without round costs: no ceilings, and the row says why
     bare = {r["kind"]: r for r in summary_rows(runs, [])}
     assert bare["oracle"]["overlap_tok_s"] is None

@@ -165,3 +165,16 @@ def test_multi_outcome_rounds_reduce_to_naive_overlap_and_grow_with_coverage() -
     assert dear > multi_outcome_round_ms(a, k, t_v, t_d, resync, 3, 0.5)
     free = 1e3 * expected_tokens_per_round(a, 7) / t_v
     assert speeds[-1] < free
+
+
+def test_the_ceiling_round_pays_the_catch_up_at_the_rows_acceptance():
+    """A k-draft round after j accepted catches up on j tokens in the slots that held
+    fewer: on Strix Halo's Vulkan the k = 2 round after 2 accepted ingests 9 tokens
+    and costs 3.4 steps. The ceiling weights each j by its chance at the row's a."""
+    from proxy.bench.costmodel import expected_round_ms
+
+    after = {0: 115.0, 1: 120.0, 2: 316.0}
+    a = 0.8
+    assert expected_round_ms(a, after) == pytest.approx(0.2 * 115 + 0.16 * 120 + 0.64 * 316)
+    assert expected_round_ms(a, {0: 1.0, 2: 3.0}) is None  # j = 1 missing
+    assert expected_round_ms(a, {}) is None

@@ -79,6 +79,11 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
         "e: k=1, -np 2",
         "f: cold prefill, save, restore",
         "g: f, other slots full",
+        "h: k=1, after 0 accepted",
+        "h: k=1, after 1 accepted",
+        "h: k=2, after 0 accepted",
+        "h: k=2, after 1 accepted",
+        "h: k=2, after 2 accepted",
     }
     for row in result["rows"]:
         assert row["variant"] == "base" and row["context"] == 128
@@ -96,8 +101,13 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
     assert full["tokens"] == 128 and full["cached"] == 0 and full["n_saved"] == 128
     assert full["results"][0]["id_slot"] == 0
     # the claim the proxy rests on: k+1 prompts in one request are one llama_decode
-    verify_rows = [r for r in result["rows"] if r["part"] in ("d", "e")]
-    assert len(verify_rows) == 5
+    verify_rows = [r for r in result["rows"] if r["part"] in ("d", "e", "h")]
+    assert len(verify_rows) == 10
+    # h: what a round ingests after j accepted, as the server counts it: the triangle
+    # plus every slot's catch-up (the ceiling's t_v(k) weights these by the acceptance)
+    for row in (r for r in verify_rows if r["part"] == "h"):
+        assert row["tokens_per_round"] == row["expected_tokens"], row["what"]
+        assert row["expected_tokens"] == expected_round_tokens(row["k"], row["accepted"])
     for row in verify_rows:
         for sample in row["samples"]:
             assert sample["decodes"] == 1, (row["what"], sample)
