@@ -269,7 +269,11 @@ class Rounds:
             server_ms=max(r.server_ms for r in round_.results),
             server_prompt_tokens=sum(r.prompt_n for r in round_.results),
             round_ms=total_ms,
-            catch_up=loop.after_run or round_.copied,
+            # the round after a first round also catches up: on a new turn of a
+            # conversation the other slots ingest its new tokens inside this batch (too
+            # few to copy), which on Strix Halo's Vulkan crosses the 8-token edge; the
+            # gate took such rounds for speculation speed and chose plain runs
+            catch_up=loop.after_run or round_.copied or len(loop.rounds) == 1,
             draft_probs=drafted.probs,
             fresh_tokens=drafted.fresh,
             fresh_ms=drafted.fresh_ms,

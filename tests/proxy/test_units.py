@@ -637,3 +637,16 @@ async def test_a_slot_that_became_another_generations_fullest_is_not_cleared_as_
     first.leave(list(range(1, 301)))  # slot 4 left as a copy of the first's context ...
     second.leave(list(range(500, 800)))  # ... but it holds the second's whole context now
     assert await first.replicator.clear_stale(list(range(1000, 1300))) == []
+
+
+async def test_the_round_after_the_first_counts_as_catching_up():
+    """On a new turn the other slots ingest the turn's new tokens inside the second
+    round's batch (too few to copy): that round is no steady speculation speed, for the
+    plain-run gate nor for the draft lengths."""
+    script = list(range(100, 130))
+    upstream = FakeUpstream(script)
+    tokens, result = await _run(upstream, ScriptDrafter(script, 2), n_predict=12, k=2)
+    assert tokens == script[:12]
+    first, second, *steady = result.rounds
+    assert first.first and second.catch_up and steady
+    assert not any(r.catch_up for r in steady)
