@@ -22,6 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from proxy import native_memory
 from proxy.engine.drafting import AsyncDrafter
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,9 @@ class DrafterSupervisor:
                 self.reloads += 1
             self._stale = False
             self.recreations += 1
+            # the failed session's buffers (and, with a reload, the load's) were just
+            # freed: hand glibc's free arena space back (a thread; the request goes on)
+            native_memory.trim_soon("drafter re-created")
             log.info(
                 "drafter re-created (%d so far, %d with the model reloaded)%s",
                 self.recreations, self.reloads, "" if reload else ": a fresh session",

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import errno
-import functools
 import logging
 import secrets
 import shlex
@@ -15,8 +13,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +24,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from npu_draft.load import parse_ngram_spec
+from proxy import native_memory
 from proxy.config import ConfigFileError, ProxySettings, load_settings, settings_error_lines
 from proxy.server.llama_server import (
     LlamaServerNotFound,
@@ -538,7 +535,8 @@ class LoadedDrafter:
         """Load the drafter again and make it current; the session opener (blocking)."""
         old, self.model = self.model, _load_model(self._settings, self._target)
         if old is not None:  # when its last session lets it go: its memory to the system
-            weakref.finalize(old, _release_free_heap_soon).atexit = False
+            finalizer = weakref.finalize(old, native_memory.trim_soon, "replaced drafter freed")
+            finalizer.atexit = False
         return self.open_session
 
     def close(self) -> None:
@@ -561,43 +559,8 @@ def _load_model(settings: ProxySettings, target: Any) -> Any:
     )
     # before the gate times it: a cold session's first runs cost more
     log.info("warmed the drafter up in %.0f ms", warm_up(model))
-    release_free_heap()  # what loading freed again (file buffers, graph copies)
+    native_memory.trim()  # what loading freed (file buffers, graph copies); off the loop already
     return model
-
-
-def release_free_heap() -> float:
-    """glibc only: hand the free memory of every malloc arena back to the system
-    (`malloc_trim(0)`); the ms it took (0 where there is no glibc).
-
-    A freed drafter model does not lower the RSS by itself: what of its tensors and
-    its sessions' buffers glibc took from its arenas (blocks under its mmap threshold,
-    which grows as large blocks are freed) stays resident as free arena space. In
-    `scripts/drafter_recreate_rss.py` (2-core machine, 320 MB test drafter) trimming
-    released 110-180 MiB of it; docs/RELIABILITY.md, "Soak under faults"."""
-    trim = _malloc_trim()
-    if trim is None:
-        return 0.0
-    started = time.perf_counter()
-    trim(0)
-    return (time.perf_counter() - started) * 1e3
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS, Windows)
-        return None
-
-
-def _release_free_heap_soon() -> None:
-    """A replaced model was freed: trim in a thread of its own, since the last
-    reference may go on the event loop's thread (trimming 0.5 GB takes milliseconds)."""
-
-    def trim() -> None:
-        log.info("replaced drafter freed; heap trimmed in %.0f ms", release_free_heap())
-
-    threading.Thread(target=trim, name="npu-heap-trim", daemon=True).start()
 
 
 def _drafter_opener(

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from proxy import native_memory
 from proxy.server.llama_server import LlamaServerProcess, find_llama_server
 
 log = logging.getLogger(__name__)
@@ -159,3 +160,6 @@ class ServerSupervisor:
                 continue
             self.restarts += 1
             log.info("llama-server restarted (%d so far)", self.restarts)
+            # the requests its death cut off have ended and freed their buffers (and
+            # their draft sessions'): hand glibc's free arena space back
+            native_memory.trim_soon("llama-server restarted")

@@ -8,7 +8,10 @@ import contextlib
 import gc
 import importlib.util
 import json
+import platform
 import sys
+import threading
+import time
 import weakref
 from types import SimpleNamespace
 
@@ -16,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy import serve_cmd
+from proxy import native_memory, serve_cmd
 from proxy.api import ProxyState, create_app
 from proxy.config import ProxySettings
 from proxy.drafter_guard import DrafterSupervisor
@@ -269,6 +272,73 @@ async def test_drafter_that_cannot_open_means_plain_decoding():
     supervisor = DrafterSupervisor(broken)
     assert await supervisor.open() is None
     assert supervisor.failures == 1 and supervisor.sessions_open == 0
+
+
+# -- glibc's free arena memory handed back (proxy/native_memory.py) ---------------------
+
+
+async def test_free_heap_is_trimmed_after_a_drafter_recreation_and_a_server_restart(monkeypatch):
+    """The soak's RSS: buffers freed by a failed session, a reload or a dead server's
+    requests stayed resident as glibc's free arena space until trimmed."""
+    trims: list[str] = []
+    monkeypatch.setattr(native_memory, "trim_soon", trims.append)
+    supervisor = DrafterSupervisor(Session, lambda: Session)
+    session = await supervisor.open()
+    assert session is not None
+    await _proposer(session, supervisor).close()
+    assert trims == [], "a session that closes without a failure frees nothing large"
+    supervisor.report_failure("test")
+    session = await supervisor.open()  # a fresh session on the same model
+    assert session is not None and trims == ["drafter re-created"]
+    await _proposer(session, supervisor).close()
+    supervisor.report_failure("test", model_suspect=True)
+    session = await supervisor.open()  # the model reloaded
+    assert session is not None and supervisor.reloads == 1 and len(trims) == 2
+    await _proposer(session, supervisor).close()
+
+    server = FakeServer()
+    restarts = ServerSupervisor(server, poll_s=0.01)  # type: ignore[arg-type]
+    restarts.start()
+    try:
+        server.running = False  # "killed"
+        async with asyncio.timeout(5):
+            while restarts.restarts < 1:
+                await asyncio.sleep(0.01)
+        assert trims[-1] == "llama-server restarted"
+    finally:
+        await restarts.stop()
+
+
+def test_trim_soon_runs_off_the_callers_thread_and_one_at_a_time(monkeypatch):
+    calls: list[str] = []
+    release = threading.Event()
+
+    def fake_malloc_trim(pad: int) -> int:
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            release.wait(5)  # still trimming while more requests come
+        return 1
+
+    monkeypatch.setattr(native_memory, "_malloc_trim", lambda: fake_malloc_trim)
+    trimmer = native_memory._Trimmer()
+    for _ in range(3):
+        trimmer.soon("test")  # returns at once: the trim runs on its own thread
+    release.set()
+    deadline = time.monotonic() + 5
+    while trimmer._running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # the two requests during the first trim make one more trim after it, not two
+    assert calls == ["npu-heap-trim", "npu-heap-trim"]
+
+    monkeypatch.setattr(native_memory, "_malloc_trim", lambda: None)  # no glibc
+    trimmer.soon("test")
+    assert native_memory.trim() == 0.0 and not trimmer._running and len(calls) == 2
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_malloc_trim_is_found_and_runs_on_glibc():
+    assert native_memory._malloc_trim() is not None
+    assert native_memory.trim() >= 0.0
 
 
 # -- pass-through answers cut off by the server ----------------------------------------------
