@@ -266,8 +266,11 @@ async def test_drafter_failure_falls_back_to_plain_decoding(http, ref_server, sp
 
 async def test_metrics_page(spec_server, reference_drafter):
     body = {"prompt": "Metrics", "n_predict": 20, "temperature": 0}
-    # plain runs off: rounds only (the gate would measure a plain run early)
-    async with run_proxy(spec_server, reference_drafter, 4, plain_runs="off") as proxy:
+    # plain runs off: rounds only (the gate would measure a plain run early); fixed k:
+    # the draft-length sweep would start at one draft
+    async with run_proxy(
+        spec_server, reference_drafter, 4, plain_runs="off", adaptive_k=False
+    ) as proxy:
         await proxy.post("/completion", body)
         async with proxy.session.get(proxy.url + "/metrics") as response:
             page = await response.text()
