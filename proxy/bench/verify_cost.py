@@ -552,8 +552,8 @@ class RoundCosts:
     """What `npu-spec bench` needs from this microbenchmark at one context: the
     plain step (ms per token in the server's own loop) and the k+1-prompt round's
     wall ms by k (t_v(k), client side, as the proxy's verify_ms counts it): after
-    k // 2 accepted (`round_ms`, part d) and after each j accepted (`round_ms_after`,
-    part h: k -> j -> ms)."""
+    k // 2 accepted (`round_ms`, part d's round) and after each j accepted
+    (`round_ms_after`, part h: k -> j -> ms)."""
 
     context: int
     plain_ms: float | None
@@ -574,12 +574,13 @@ async def measure_round_costs(
     threads: int | None = None, llama_server: Path | None = None, work_dir: Path | None = None,
     repeats: int = 8, warmup: int = 2, plain_tokens: int = 32, startup_timeout: float = 600.0,
 ) -> RoundCosts:  # fmt: skip
-    """Parts a, d and h at one context on one server started as managed mode starts
-    it (with `server_args`), with max(ks) + 1 slots."""
+    """Parts a and h at one context on one server started as managed mode starts it
+    (with `server_args`), with max(ks) + 1 slots; h's round after k // 2 accepted is
+    part d's, so d is not measured again."""
     ks = sorted(set(ks))
     options = VerifyCostOptions(
         target=target, variants=[Variant("bench", list(server_args))], contexts=[context],
-        ks=ks, new_tokens=[], np_large=max(ks) + 1, np_ks=[], parts=["a", "d", "h"],
+        ks=ks, new_tokens=[], np_large=max(ks) + 1, np_ks=[], parts=["a", "h"],
         repeats=repeats, warmup=warmup, plain_tokens=plain_tokens, threads=threads,
         llama_server=llama_server, work_dir=work_dir, startup_timeout=startup_timeout,
     )  # fmt: skip
@@ -587,11 +588,11 @@ async def measure_round_costs(
     if result["errors"]:
         raise RuntimeError(f"measuring round costs at {context}: {result['errors']}")
     plain = [r["ms_median"] for r in result["rows"] if r["part"] == "a"]
-    rounds = {r["k"]: r["ms_median"] for r in result["rows"] if r["part"] == "d"}
     after: dict[int, dict[int, float]] = {}
     for r in result["rows"]:
         if r["part"] == "h" and r["ms_median"]:
             after.setdefault(r["k"], {})[r["accepted"]] = r["ms_median"]
+    rounds = {k: by_j[k // 2] for k, by_j in after.items() if k // 2 in by_j}
     return RoundCosts(context, plain[0] if plain else None, rounds, result, after)
 
 
