@@ -16,6 +16,8 @@
 #   concurrency  scripts/h200_concurrency_run.sh bench (many users, issue 30)
 #   chain   start, costs, formula and emulate (on the file just built), strix, in a row
 #   s14     start, the 512 cells real and emulated, the 4k clear-stale A/B, strix
+#   s15     start, the 512 cells with the defaults (real), the 3-turn chats real then
+#           emulated on this host (X = 0.12, with the defaults)
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -143,6 +145,19 @@ case "$STAGE" in
     FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_KEEP=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
       FORMULA_REAL_ONLY=1 bash scripts/h200_regime_run.sh formula || echo "formula 4k FAILED"
     bash scripts/h200_regime_run.sh strix || echo "strix FAILED"
+    ;;
+  s15)  # session 15's chain: start; the 512 cells (formula, k3, defaults), real only;
+        # the 3-turn chats at X = 0.12 with the defaults, real then emulated on this host
+    bash scripts/h200_regime_run.sh start
+    FORMULA_CONTEXT=512 FORMULA_K3=1 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_REAL_ONLY=1 \
+      bash scripts/h200_regime_run.sh formula || echo "formula 512 FAILED"
+    CHAT=(--context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" --oracle-delay-steps 0.12
+      --proxy-variant 'defaults=' --time-budget-s 400)
+    npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' "${CHAT[@]}" \
+      --work-dir /tmp/chat1 -o "$OUT/h200-chat.json" | tail -25 || echo "chat FAILED"
+    npu bench --regime proxy/bench/regime/regimes/h200-cuda-14b-f16.toml "${CHAT[@]}" \
+      --work-dir /tmp/chat2 -o "$OUT/h200-host-chat-emulated.json" | tail -25 \
+      || echo "chat emulated FAILED"
     ;;
   concurrency)  # issue 30's H200 run (scripts/h200_concurrency_run.sh), here to run it in
                 # the background

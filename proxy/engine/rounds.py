@@ -288,7 +288,7 @@ class Rounds:
 
     def release_slots(self) -> asyncio.Task[list[int]] | None:
         """Once plain decoding is the gate's choice, empty the slots this generation
-        filled, but the one holding its context (`SlotCopies.release`), in the
+        filled, the one holding its context too (`SlotCopies.release`), in the
         background: the response does not wait for it."""
         if not self.policies.prefers_plain():
             return None

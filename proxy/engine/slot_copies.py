@@ -310,12 +310,19 @@ class SlotCopies:
                 replicator.left_copies[id_slot] = context
 
     async def release(self) -> list[int]:
-        """Empty the slots this generation touched, all but the fullest (its whole
-        context, for the conversation's next turn). Called when the gate has chosen
-        plain decoding: the next requests pass through, and at long contexts stale
-        copies made plain decoding on this server slower than on llama-server alone
-        (docs/BENCHMARKS.md, "Fourth run of the day")."""
-        stale = self.touched - {self.fullest}
-        if self.replicator is None or not self.replicator.available or not stale:
+        """Empty every slot this generation touched, the one holding its context too,
+        where it touched more than one (a generation that only ran plain in one slot
+        holds its context in that slot's contiguous cells, and keeps it). Called when
+        the gate has chosen plain decoding: the next requests pass through.
+        With unified KV every decode attends over the pool up to its highest cell in use,
+        and a speculative generation's cells lie spread over the pool (each slot appends
+        to its own sequence every round), so a context kept in place makes every later
+        token slower for any conversation: 4% on the H200 at 512 (14B f16, 0.1 ms a step
+        per thousand cells of span; the span stayed at 4.6k cells where llama-server
+        alone attends over 0.8k), far more at 4k. A conversation that goes on prefills
+        its context once more (37 ms at 512 there) and then holds it in one slot's
+        contiguous cells, as llama-server alone would (docs/BENCHMARKS.md, "Plain
+        decoding behind the proxy")."""
+        if self.replicator is None or not self.replicator.available or len(self.touched) < 2:
             return []
-        return await self.replicator.erase_idle(stale)
+        return await self.replicator.erase_idle(set(self.touched))

@@ -245,12 +245,13 @@ class SpeculateThenChoosePlain(PlainRunGate):
         return self.plain_chosen
 
 
-async def test_slots_are_emptied_but_the_context_one_once_plain_decoding_is_chosen(
+async def test_every_slot_is_emptied_once_plain_decoding_is_chosen(
     spec_server, reference_drafter, http, ref_server
 ):
-    """Passed-through requests then decode with unified KV over the cells of every slot:
-    the generation that chose plain decoding empties the slots it filled, all but the
-    one that holds its context (the next turn's prefix)."""
+    """Passed-through requests then decode with unified KV over the pool up to its
+    highest cell in use, and a speculative generation's context lies spread over it:
+    the generation that chose plain decoding empties every slot it filled, the one that
+    holds its context too (a next turn prefills it once, into one slot's cells)."""
     text = "The lighthouse keeper counted the ships " * 16  # long enough to copy
     prompt = await tokenize(http, ref_server, text)
     async with UpstreamClient(spec_server) as upstream:
@@ -264,11 +265,10 @@ async def test_slots_are_emptied_but_the_context_one_once_plain_decoding_is_chos
             settings=EngineSettings(k=3), replicator=replicator, policies=policies,
         )  # fmt: skip
         gate.plain_chosen = True  # chosen while the generation runs
-        tokens, result = await generation
+        _, result = await generation
         assert replicator.calls == 1 and any(r.n_drafted for r in result.rounds)
         held = [
             (await upstream.slot_action(slot["id"], "erase", ""))["n_erased"]
             for slot in await upstream.slots()
         ]
-    assert sum(n > 0 for n in held) == 1, held  # the context's slot alone
-    assert max(held) >= len(prompt) + len(tokens) - 4, held
+    assert result.rounds and sum(n > 0 for n in held) == 0, held

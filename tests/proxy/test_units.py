@@ -650,3 +650,19 @@ async def test_the_round_after_the_first_counts_as_catching_up():
     first, second, *steady = result.rounds
     assert first.first and second.catch_up and steady
     assert not any(r.catch_up for r in steady)
+
+
+async def test_release_empties_a_spread_context_but_keeps_a_one_slot_one():
+    """Once plain decoding is chosen: a generation that used several slots has its
+    context's cells spread over the pool (unified KV attends up to the highest), so
+    every slot it touched is emptied; one that ran in one slot keeps its context."""
+    server = SlotServer()
+    spread = slot_copies(server)
+    spread.used([0, 1, 2], fullest=2)
+    spread.leave(list(range(1, 301)))
+    assert sorted(await spread.release()) == [0, 1, 2]
+    single = slot_copies(server)
+    single.used([3], fullest=3)
+    single.leave(list(range(1, 301)))
+    assert await single.release() == []
+    assert server.actions == [(0, "erase"), (1, "erase"), (2, "erase")]
