@@ -57,8 +57,10 @@ class ProxySettings(BaseSettings):
     )
     clear_stale_copies: bool = Field(
         True,
-        description="before a generation's first prefill, empty the idle slots holding "
-        "copies of another conversation's context that ended generations left",
+        description="empty idle slots whose contents would slow every decode (unified KV "
+        "attends over every cell in use): before a generation's first prefill, the copies "
+        "and spread contexts of another conversation that ended generations left; after a "
+        "pass-through with no other stream, every context but the one the server used last",
     )
     plain_runs: Literal["auto", "off"] = Field(
         "auto",

@@ -152,10 +152,11 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         {
             "choices": ["on", "off"],
             "dest": "clear_stale_copies",
-            "help": "on: before a generation's first prefill, empty the idle slots holding "
-            "copies of another conversation's context that ended generations left (with "
-            "unified KV a prefill attends over every cell in use); off: keep them "
-            "(default: %(default)s)",
+            "help": "on: empty idle slots whose contents would slow every decode (with "
+            "unified KV a decode attends over every cell in use): before a generation's "
+            "first prefill, the copies and spread contexts of another conversation that "
+            "ended generations left; after a pass-through with no other stream, every "
+            "context but the one the server used last; off: keep them (default: %(default)s)",
         },
     ),
     (

@@ -423,7 +423,10 @@ async def _serve_stream(
         log.info("[%s] %s %s: pass-through (%s)", request_id, request.method, request.path, reason)
         stream.speculative = False
         state.metrics.observe_request("passthrough")
-        return await _forward(request, state, raw, first_token)
+        response = await _forward(request, state, raw, first_token)
+        if share.streams <= 1:  # alone: the server keeps this context, not earlier ones
+            state.background.start(state.replicator.keep_latest())
+        return response
 
     if state.drafters is None:
         return await pass_on("no drafter configured")

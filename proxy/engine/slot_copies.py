@@ -126,9 +126,10 @@ class SlotReplicator:
         half of one is its prefix); returns the ids erased. With unified KV a prefill's
         512-token micro-batches attend over every cell in use: on the H200 (14B f16) a 4k
         prefill took 1,084 ms with the other 8 slots holding 4k contexts against 304 ms
-        alone (`verify-cost` parts g and f; docs/BENCHMARKS.md, "The regime server"). A
-        conversation's own copies, and the slot holding its context, stay for its next
-        turn (llama-server alone keeps those too)."""
+        alone (`verify-cost` parts g and f; docs/BENCHMARKS.md, "The regime server"). The
+        slot holding an ended speculative generation's context goes too: its cells lie
+        spread over the pool (`SlotCopies.leave`). A conversation's own copies and
+        context stay for its next turn."""
         if not (self.clear_stale_copies and self.available) or len(prompt) < self.min_prompt:
             return []
         stale = {
@@ -139,6 +140,31 @@ class SlotReplicator:
         if not stale:
             return []
         return await self.erase_idle(stale)
+
+    async def keep_latest(self) -> list[int]:
+        """After a pass-through with no other stream running: empty every idle slot that
+        holds a context but the one the server used last (the highest task id); returns
+        the ids erased. llama-server picks the least recently used slot for a prompt
+        that no slot holds, so without this every new conversation would leave the
+        last one's context in place, and with unified KV every decode attends over all
+        of them: two 4k contexts where llama-server alone (`-np 1`) attends over one cost
+        the H200 (14B f16) 0.1 ms a step per thousand cells, 4% (docs/BENCHMARKS.md,
+        "Plain decoding behind the proxy"). Only speed depends on it."""
+        if not (self.clear_stale_copies and self.available):
+            return []
+        try:
+            held = [
+                s for s in await self.upstream.slots()
+                if not s.get("is_processing") and s.get("n_prompt_tokens", 0) > 0
+            ]  # fmt: skip
+        except (UpstreamClientError, UpstreamError) as exc:
+            log.info("reading the slots failed (%s); plain decoding may run slower", exc)
+            return []
+        if len(held) < 2:
+            return []
+        latest = max(held, key=lambda s: s.get("id_task", -1))
+        stale = {s["id"] for s in held if s is not latest} - set(self.in_flight)
+        return await self.erase_idle(stale) if stale else []
 
     async def erase_idle(self, slots: set[int]) -> list[int]:
         """Empty the caches of those of `slots` that are idle now (a busy one may serve
@@ -295,8 +321,10 @@ class SlotCopies:
 
     def leave(self, context: Sequence[int]) -> None:
         """The generation ended with `context` committed: the slots it touched are free
-        for others to clear, all but the fullest (which holds `context` itself, whatever
-        an earlier generation left there) as copies of `context`."""
+        for others to clear, as copies of `context`. The fullest holds `context` itself
+        (whatever an earlier generation left there); it counts as one too where the
+        generation touched other slots, since its cells then lie spread over the pool
+        (`release`); in one slot alone it is what llama-server alone would keep."""
         replicator = self.replicator
         if replicator is None:
             return
@@ -304,7 +332,7 @@ class SlotCopies:
             replicator.in_flight[id_slot] -= 1
             if replicator.in_flight[id_slot] <= 0:
                 del replicator.in_flight[id_slot]
-            if id_slot == self.fullest:
+            if id_slot == self.fullest and len(self.touched) < 2:
                 replicator.left_copies.pop(id_slot, None)
             else:
                 replicator.left_copies[id_slot] = context

@@ -272,3 +272,27 @@ async def test_every_slot_is_emptied_once_plain_decoding_is_chosen(
             for slot in await upstream.slots()
         ]
     assert result.rounds and sum(n > 0 for n in held) == 0, held
+
+
+async def test_a_pass_through_alone_leaves_only_its_own_context_in_the_slots(spec_server, http):
+    """llama-server gives a prompt no slot holds the least recently used slot, so each
+    new conversation passed through would leave the last one's context in place, and
+    with unified KV every decode attends over all of them. Alone, the proxy keeps the
+    context the server used last and empties the rest."""
+    async with UpstreamClient(spec_server) as upstream:
+        for slot in await upstream.slots():  # a clean start: other tests' leftovers
+            await upstream.slot_action(slot["id"], "erase", "")
+        async with run_proxy(spec_server, None, 2) as proxy:
+            for topic in ("lighthouses", "glaciers", "violins"):
+                body = {"prompt": f"Tell me about {topic}. " * 6, "n_predict": 8,
+                        "temperature": 0}  # fmt: skip
+                status, _, headers = await proxy.post("/completion", body)
+                assert status == 200 and headers["X-Npu-Spec"] == "passthrough"
+                await proxy.state.background.wait()
+                held = [s for s in await upstream.slots() if s.get("n_prompt_tokens", 0) > 0]
+                assert len(held) == 1, held
+            last = held[0]
+            status, _, _ = await proxy.post("/completion", body)  # the same prompt again
+            await proxy.state.background.wait()
+            again = [s for s in await upstream.slots() if s.get("n_prompt_tokens", 0) > 0]
+    assert [s["id"] for s in again] == [last["id"]]  # kept, and found by the server

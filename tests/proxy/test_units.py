@@ -593,8 +593,9 @@ def test_slot_file_reuse_off_always_saves_anew():
 async def test_copies_an_ended_generation_left_are_emptied_before_another_conversation():
     """With unified KV a prefill attends over every cell in use (a 4k prefill on the
     H200: 1,084 ms with the other slots full, 304 ms alone), so the copies of a
-    conversation that ended are emptied before a different conversation's first prefill;
-    its fullest slot stays, and so do copies of a context the new prompt goes on from."""
+    conversation that ended are emptied before a different conversation's first prefill,
+    its fullest slot too (a speculative generation's cells lie spread over the pool);
+    copies of a context the new prompt goes on from stay."""
     server = SlotServer()
     ended = slot_copies(server)
     ended.used([0, 1, 2], fullest=2)
@@ -605,16 +606,17 @@ async def test_copies_an_ended_generation_left_are_emptied_before_another_conver
     live.replicator = replicator
     live.used([4, 6], fullest=6)
     assert await replicator.clear_stale([*context, 7, 8, 9]) == []  # the next turn
-    assert await replicator.clear_stale(list(range(1000, 1300))) == [0, 1]
-    assert server.actions == [(0, "erase"), (1, "erase")] and replicator.left_copies == {}
+    assert await replicator.clear_stale(list(range(1000, 1300))) == [0, 1, 2]
+    assert server.actions == [(0, "erase"), (1, "erase"), (2, "erase")]
+    assert replicator.left_copies == {}
     # a copy left while slot 4 is still used by the other generation is not cleared
     again = slot_copies(server)
     again.replicator = replicator
     again.used([3, 4], fullest=3)
     again.leave(context)
-    assert await replicator.clear_stale(list(range(1000, 1300))) == []
+    assert await replicator.clear_stale(list(range(1000, 1300))) == [3]  # not 4
     live.leave(list(range(500, 800)))  # no generation uses slot 4 now: a copy again
-    assert await replicator.clear_stale(list(range(1000, 1300))) == [4]
+    assert await replicator.clear_stale(list(range(1000, 1300))) == [4, 6]
 
 
 async def test_stale_copies_stay_with_clearing_off_or_a_short_prompt():
@@ -636,7 +638,8 @@ async def test_a_slot_that_became_another_generations_fullest_is_not_cleared_as_
     second.used([4], fullest=4)  # both use slot 4 at once
     first.leave(list(range(1, 301)))  # slot 4 left as a copy of the first's context ...
     second.leave(list(range(500, 800)))  # ... but it holds the second's whole context now
-    assert await first.replicator.clear_stale(list(range(1000, 1300))) == []
+    # (in its one slot's cells); the first's spread context in slot 0 goes
+    assert await first.replicator.clear_stale(list(range(1000, 1300))) == [0]
 
 
 async def test_the_round_after_the_first_counts_as_catching_up():
@@ -666,3 +669,26 @@ async def test_release_empties_a_spread_context_but_keeps_a_one_slot_one():
     single.leave(list(range(1, 301)))
     assert await single.release() == []
     assert server.actions == [(0, "erase"), (1, "erase"), (2, "erase")]
+
+
+class HeldSlotServer(SlotServer):
+    """Slots 0-4 and 6 hold contexts left by tasks 10-15 (slot 4's is the latest);
+    slot 5 is busy."""
+
+    async def slots(self):
+        return [
+            {"id": i, "is_processing": i == 5, "n_prompt_tokens": 0 if i == 3 else 100,
+             "id_task": 10 + i if i != 4 else 99}
+            for i in range(7)
+        ]  # fmt: skip
+
+
+async def test_keep_latest_empties_idle_contexts_but_the_latest_and_those_in_use():
+    from proxy.engine import SlotReplicator
+
+    server = HeldSlotServer()
+    replicator = SlotReplicator(server, min_prompt=64)
+    replicator.in_flight[1] += 1  # a generation still uses slot 1
+    assert sorted(await replicator.keep_latest()) == [0, 2, 6]  # not 1, 3 (empty), 4, 5
+    replicator.clear_stale_copies = False
+    assert await replicator.keep_latest() == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -78,6 +79,7 @@ class Slot:
     todo: list[int] = field(default_factory=list)  # prompt tokens still to ingest
     pending: int | None = None  # sampled, not yet decoded
     t_last_used: float = -1.0  # set only when a task releases the slot
+    id_task: int = -1  # the last task launched here (/slots keeps it once the slot is idle)
 
     @property
     def busy(self) -> bool:
@@ -125,6 +127,7 @@ class RegimeEngine:
         self.queue: deque[Task] = deque()
         self.deferred_tasks: deque[Task] = deque()  # waiting for a slot to be released
         self.counters = Counters()
+        self._task_ids = itertools.count()  # the server's task ids only grow
         self.charged_ms = 0.0  # every decode's charge, summed (the clock benchmark)
         self._wake = asyncio.Event()
         self._exclusive = asyncio.Lock()  # the server's one thread: a batch or a slot action
@@ -295,6 +298,7 @@ class RegimeEngine:
         slot.cache = slot.cache[:n_past]
         slot.todo = list(task.prompt[n_past:])
         slot.task = task
+        slot.id_task = next(self._task_ids)
         slot.pending = None
         task.slot = slot.id
         task.n_cached = n_past

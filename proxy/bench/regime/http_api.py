@@ -164,7 +164,7 @@ class RegimeApi:
             [
                 {
                     "id": slot.id,
-                    "id_task": -1 if slot.task is None else id(slot.task) % 100000,
+                    "id_task": slot.id_task,
                     "n_ctx": self.engine.n_ctx_slot,
                     "speculative": False,
                     "is_processing": slot.busy,
