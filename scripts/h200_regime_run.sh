@@ -16,8 +16,9 @@
 #   concurrency  scripts/h200_concurrency_run.sh bench (many users, issue 30)
 #   chain   start, costs, formula and emulate (on the file just built), strix, in a row
 #   s14     start, the 512 cells real and emulated, the 4k clear-stale A/B, strix
-#   s15     start, the 512 cells with the defaults (real), the 3-turn chats real then
-#           emulated on this host (X = 0.12, with the defaults)
+#   s15     start, verify-cost part i (the regime file rebuilt with it), the 512 and 4k
+#           cells with the defaults (real), the 3-turn chats real then emulated on this
+#           host (X = 0.12, with the defaults)
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -146,16 +147,28 @@ case "$STAGE" in
       FORMULA_REAL_ONLY=1 bash scripts/h200_regime_run.sh formula || echo "formula 4k FAILED"
     bash scripts/h200_regime_run.sh strix || echo "strix FAILED"
     ;;
-  s15)  # session 15's chain: start; the 512 cells (formula, k3, defaults), real only;
-        # the 3-turn chats at X = 0.12 with the defaults, real then emulated on this host
+  s15)  # session 15's chain: start; part i; the 512 cells (formula, k3, defaults) and the
+        # 4k ones (formula, defaults), real only; the 3-turn chats at X = 0.12 with the
+        # defaults, real then emulated on this host
     bash scripts/h200_regime_run.sh start
+    npu verify-cost --target /tmp/m14/target.gguf --variant 'base=-ngl 99 -fa on' \
+      --context 512,4k --parts i --repeats 6 --warmup 1 --work-dir /tmp/vci \
+      -o "$OUT/h200-verify-cost-i.json" | tail -6 || echo "verify-cost i FAILED"
+    python3 -m proxy.bench.regime.build benchmarks/results/h200-s13-verify-cost.json \
+      "$OUT/h200-verify-cost-i.json" --name h200-cuda-14b-f16 \
+      --description "NVIDIA H200, CUDA, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on" \
+      -o "$OUT/h200-cuda-14b-f16.toml" | tail -3 || echo "build FAILED"
     FORMULA_CONTEXT=512 FORMULA_K3=1 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_REAL_ONLY=1 \
       bash scripts/h200_regime_run.sh formula || echo "formula 512 FAILED"
+    FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
+      FORMULA_REAL_ONLY=1 bash scripts/h200_regime_run.sh formula || echo "formula 4k FAILED"
     CHAT=(--context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" --oracle-delay-steps 0.12
       --proxy-variant 'defaults=' --time-budget-s 400)
     npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' "${CHAT[@]}" \
       --work-dir /tmp/chat1 -o "$OUT/h200-chat.json" | tail -25 || echo "chat FAILED"
-    npu bench --regime proxy/bench/regime/regimes/h200-cuda-14b-f16.toml "${CHAT[@]}" \
+    regime="$OUT/h200-cuda-14b-f16.toml"  # rebuilt with part i, else the committed one
+    [ -s "$regime" ] || regime=proxy/bench/regime/regimes/h200-cuda-14b-f16.toml
+    npu bench --regime "$regime" "${CHAT[@]}" \
       --work-dir /tmp/chat2 -o "$OUT/h200-host-chat-emulated.json" | tail -25 \
       || echo "chat emulated FAILED"
     ;;

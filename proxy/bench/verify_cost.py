@@ -33,7 +33,12 @@ ids (the cost of a pass does not depend on which tokens it sees):
   when a new request comes after earlier ones filled the slots: with unified KV the
   prefill's queries may attend over every cell of the pool, and a save or restore
   works over the whole pool. Against f it gives the cost per cell of the pool's span
-  of a 512-token micro-batch and of the slot actions.
+  of a 512-token micro-batch and of the slot actions;
+- i: on a plain server (the bench's plain mode: -np 1, the RAM prompt cache on, as
+  llama-server runs by default), a fresh prompt of the context's length while the slot
+  holds another, against the same on an emptied slot: before it prefills, the server
+  copies the slot's old prompt into its RAM prompt cache. The regime files charge
+  that copy per token (`prompt_cache_save_ms_per_ktoken`).
 
 Every timed request is bracketed by /metrics reads, so each row says how many
 llama_decode calls a round took (must be 1) and how many prompt tokens the server
@@ -71,7 +76,7 @@ from typing import Any
 from proxy.bench.host import host_info
 from proxy.bench.options import Variant, comma_choices, context_list, int_list, parse_variant
 from proxy.bench.results import default_result_path, jsonable, now_utc, write_json
-from proxy.server.llama_server import find_llama_server
+from proxy.server.llama_server import LlamaServerProcess, find_llama_server
 from proxy.server.managed import ServerLayout, managed_server
 from proxy.server.upstream import (
     GREEDY_VERIFY_PARAMS,
@@ -84,7 +89,7 @@ from proxy.server.upstream import (
 log = logging.getLogger(__name__)
 
 SCHEMA = "npu-spec-verify-cost/1"
-PARTS = ("a", "b", "c", "d", "e", "f", "g", "h")
+PARTS = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
 DECODES = "llamacpp:n_decode_total"
 PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
@@ -313,6 +318,31 @@ class Bench:
                 samples.append(sample)
         return samples
 
+    async def prompt_switch(self, context: int) -> list[dict[str, Any]]:
+        """i (a plain server: one slot, the RAM prompt cache on): a fresh prompt of
+        `context` tokens on an emptied slot, then another while the slot holds the
+        first; `save_ms` is what the second took beyond the first outside the server's
+        prompt and predict timings (the server copied the first prompt into its prompt
+        cache before prefilling)."""
+        samples = []
+        for i in range(self.options.warmup + self.options.repeats):
+            await self.erase_all(1)
+            bodies = [
+                {"prompt": self.tokens(context), **GREEDY_VERIFY_PARAMS,
+                 "response_fields": VERIFY_FIELDS}
+                for _ in range(2)
+            ]  # fmt: skip
+            cold = await self._timed(bodies[0])
+            sample = await self._timed(bodies[1])
+            # outside the server's own prompt timing, which starts after the copy: the
+            # prefills' jitter stays out of it
+            outside = sample["ms"] - (sample["server_ms"] or 0.0)
+            cold_outside = cold["ms"] - (cold["server_ms"] or 0.0)
+            sample.update(cold_ms=cold["ms"], save_ms=outside - cold_outside, n_saved=context)
+            if i >= self.options.warmup:
+                samples.append(sample)
+        return samples
+
     async def one_slot(self, ctx: list[int], m: int) -> list[dict[str, Any]]:
         """b/c: the slot holding `ctx` gets m new tokens per request, n_predict 1."""
         prompt = list(ctx)
@@ -498,6 +528,35 @@ class Session:
             self._row(variant, context, "e", f"e: k={k}, -np {k + 1}", k + 1, samples,
                       k=k, idle_slots="none")  # fmt: skip
 
+    async def _plain_server(self, variant: Variant, context: int, seed: int) -> None:
+        """i: a server with the bench's plain-mode flags (one slot, llama-server's own
+        defaults otherwise, the RAM prompt cache among them) plus the variant's."""
+        o = self.options
+        name = f"{variant.name}-ctx{context}-plain"
+        slot_dir = self.work_dir / "slots" / name  # only to empty the slot between samples
+        slot_dir.mkdir(parents=True, exist_ok=True)
+        args = ["-c", str(context + 64), "-np", "1", "--metrics", "--slot-save-path", str(slot_dir)]
+        args += ["-t", str(o.threads)] if o.threads else []
+        server = LlamaServerProcess(
+            self.binary, o.target, [*args, *variant.args],
+            log_path=self.work_dir / "logs" / f"{name}.log",
+        )  # fmt: skip
+        self.servers.append(
+            {"variant": variant.name, "context": context, "np": 1,
+             "command": server.command, "log": str(server.log_path)}
+        )  # fmt: skip
+        try:
+            await server.start(o.startup_timeout)
+            async with UpstreamClient(server.base_url) as client:
+                bench = Bench(client, o, seed)
+                await bench.setup()
+                samples = await bench.prompt_switch(context)
+                self._row(variant, context, "i", "i: plain server, a new prompt after another",
+                          1, samples)  # fmt: skip
+        finally:
+            await server.stop()
+            shutil.rmtree(slot_dir, ignore_errors=True)
+
     def _np_ks(self) -> list[int]:
         """e's k values: those with fewer slots than the main server."""
         if "e" not in self.options.parts:
@@ -518,10 +577,15 @@ class Session:
         for variant in o.variants:
             for c_index, context in enumerate(o.contexts):
                 seed = o.seed + c_index  # the same tokens for every variant
-                await self._guarded(variant, context, self._main_server(variant, context, seed))
+                if set(o.parts) - {"i"}:
+                    await self._guarded(variant, context, self._main_server(variant, context, seed))
                 for k in self._np_ks():
                     await self._guarded(
                         variant, context, self._small_server(variant, context, k, seed)
+                    )
+                if "i" in o.parts:
+                    await self._guarded(
+                        variant, context, self._plain_server(variant, context, seed)
                     )
                 if progress is not None:
                     write_json(self.result(finished=False), progress)
@@ -637,6 +701,10 @@ def render_table(result: dict[str, Any]) -> str:
         "round with k//2 accepted: (k+1)(k+2)/2 + j(j+1)/2).",
         "np: the server's -np; d: idle slots empty; e: the same round with -np k+1, or "
         "with every idle slot holding a stale context of the same length.",
+        "i: a fresh prompt's wall time on a plain server (-np 1, RAM prompt cache on) "
+        "while its slot held another; the samples' save_ms: its time outside the server's "
+        "prompt and predict timings less the same on an emptied slot (the server's copy of "
+        "the old prompt into its prompt cache).",
     ]
     for error in result.get("errors", []):
         notes.append(f"FAILED {error['variant']} ctx {error['context']}: {error['error']}")
@@ -684,7 +752,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="e: for these k, -np k+1 vs --np-large with idle slots full ('none' skips)",
     )
     parser.add_argument(
-        "--parts", type=_parts, default=list(PARTS), help="comma list of a,b,c,d,e,f,g,h"
+        "--parts", type=_parts, default=list(PARTS), help="comma list of a,b,c,d,e,f,g,h,i"
     )
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per row")

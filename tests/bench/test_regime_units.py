@@ -189,3 +189,23 @@ def test_rows_g_against_f_give_the_span_cost_of_a_prefill_and_of_slot_actions() 
     cost = SlotCost(save_ms_per_ktoken=150.0, save_ms_per_span_kcell=1.0)
     assert cost.save_ms(4096, span=9 * 4096) == pytest.approx(150.0 * 4.096 + 8 * 4.096)
     assert cost.save_ms(4096) == pytest.approx(150.0 * 4.096)
+
+
+def test_rows_i_give_the_plain_servers_prompt_cache_rate() -> None:
+    """A plain server's new prompt while its slot held another (rows i) against the
+    same on an emptied slot: the prompt cache's copy, charged per token from then on
+    instead of the slot-file save rate."""
+    from proxy.bench.regime.prompt_cache import PromptCache
+
+    f_rows = [_cold_rows("f", 512, 37.0, 93.0, 18.0), _cold_rows("f", 4096, 304.0, 745.0, 146.0)]
+    i_rows = [
+        {"part": "i", "variant": "v", "context": c,
+         "samples": [{"save_ms": ms}, {"save_ms": 999.0}, {"save_ms": ms}]}
+        for c, ms in ((512, 70.0), (4096, 471.0))
+    ]  # fmt: skip
+    slots = slot_fit({"rows": [*f_rows, *i_rows]}, "v")
+    assert slots["prompt_cache_save_ms_per_ktoken"] == pytest.approx(471.0 / 4.096, abs=1e-3)
+    assert "prompt_cache_save_ms_per_ktoken" not in slot_fit({"rows": f_rows}, "v")
+    charged = PromptCache(SlotCost(save_ms_per_ktoken=182.0, prompt_cache_save_ms_per_ktoken=115.0))
+    assert charged.save(list(range(4096))) == pytest.approx(115.0 * 4.096)
+    assert PromptCache(SlotCost(save_ms_per_ktoken=182.0)).save([1] * 1000) == pytest.approx(182.0)

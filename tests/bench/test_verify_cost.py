@@ -66,7 +66,7 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
     result = json.loads(out.read_text())
     assert result["schema"] == "npu-spec-verify-cost/1"
     assert result["errors"] == []
-    assert [(s["np"], s["context"]) for s in result["servers"]] == [(4, 128), (2, 128)]
+    assert [(s["np"], s["context"]) for s in result["servers"]] == [(4, 128), (2, 128), (1, 128)]
     rows = {row["what"]: row for row in result["rows"]}
     assert set(rows) == {
         "a: plain decoding, ms/token",
@@ -84,6 +84,7 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
         "h: k=2, after 0 accepted",
         "h: k=2, after 1 accepted",
         "h: k=2, after 2 accepted",
+        "i: plain server, a new prompt after another",
     }
     for row in result["rows"]:
         assert row["variant"] == "base" and row["context"] == 128
@@ -100,6 +101,12 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
     (full,) = rows["g: f, other slots full"]["samples"]
     assert full["tokens"] == 128 and full["cached"] == 0 and full["n_saved"] == 128
     assert full["results"][0]["id_slot"] == 0
+    # i: on a plain server (one slot, the RAM prompt cache on) a fresh prompt while the
+    # slot held another: prefilled whole, after the server cached the old one
+    (switch,) = rows["i: plain server, a new prompt after another"]["samples"]
+    assert switch["tokens"] == 128 and switch["cached"] == 0 and switch["n_saved"] == 128
+    assert switch["save_ms"] < switch["ms"] and switch["cold_ms"] > 0
+    assert "-np" in (plain := result["servers"][-1]["command"]) and "-kvu" not in plain
     # the claim the proxy rests on: k+1 prompts in one request are one llama_decode
     verify_rows = [r for r in result["rows"] if r["part"] in ("d", "e", "h")]
     assert len(verify_rows) == 10

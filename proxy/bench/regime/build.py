@@ -17,7 +17,8 @@ multi-token batches. From it:
   server ms exceed the one-slot decode of their tokens by;
 - slots: f's save and restore wall ms at the two contexts, a line in tokens; with rows
   g (every other slot full), what the actions and the 512-token micro-batch cost per
-  cell of the pool's span beyond the slot's own.
+  cell of the pool's span beyond the slot's own; with rows i, what a plain server's copy
+  of a slot's prompt into its RAM prompt cache costs per token.
 
 It prints each row's measured ms beside what the file charges for it; rows d (k+1
 prompts over k+1 slots' cells) set only the cost per extra sampling slot.
@@ -232,6 +233,11 @@ def slot_fit(result: dict[str, Any], variant: str) -> dict[str, float]:
                 [s[f"{what}_wall_ms"] for s in f["samples"]]
             )
             out[f"{what}_ms_per_span_kcell"] = round(max(0.0, extra) / (stale_cells(g) / 1e3), 4)
+    i_rows = _rows(result, "i", variant)
+    if i_rows:  # the plain server's prompt-cache copy, from the longest context
+        i = max(i_rows, key=lambda r: r["context"])
+        save = _median([s["save_ms"] for s in i["samples"]])
+        out["prompt_cache_save_ms_per_ktoken"] = round(max(0.0, save) / i["context"] * 1e3, 3)
     return out
 
 
@@ -295,6 +301,10 @@ SLOTS_SOURCE = (
     "row f's save and restore wall ms at two contexts; per cell of the pool's span, rows g "
     "(every other slot full) against f at the higher context"
 )
+PROMPT_CACHE_SOURCE = (
+    "prompt_cache_save_ms_per_ktoken: rows i at the highest context, a plain server's new "
+    "prompt while its slot held another, less the same on an emptied slot"
+)
 HOST_SOURCE = (
     "wall minus server ms of rows b, c and d; per_extra_sample_ms: rows d's server ms "
     "beyond the one-slot decode of their tokens, per prompt beyond the first"
@@ -354,22 +364,36 @@ restore_ms_per_ktoken = {slots["restore_ms_per_ktoken"]:g}
     for what in ("save", "restore"):
         if f"{what}_ms_per_span_kcell" in slots:
             text += f"{what}_ms_per_span_kcell = {slots[f'{what}_ms_per_span_kcell']:g}\n"
+    if "prompt_cache_save_ms_per_ktoken" in slots:
+        text += (
+            f"# {PROMPT_CACHE_SOURCE}\n"
+            f"prompt_cache_save_ms_per_ktoken = {slots['prompt_cache_save_ms_per_ktoken']:g}\n"
+        )
     return text, check_rows(result, variant, decode, host)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="regime-build", description=__doc__)
-    parser.add_argument("verify_cost", type=Path)
+    parser.add_argument(
+        "verify_cost", type=Path, nargs="+",
+        help="verify-cost results; rows of later files join the first's (e.g. part i, "
+        "measured later on the same machine)",
+    )  # fmt: skip
     parser.add_argument("--name", required=True)
     parser.add_argument("--description", default="")
     parser.add_argument("--variant", help="the verify-cost variant (default: the first)")
     parser.add_argument("-o", "--out", type=Path)
     args = parser.parse_args(argv)
-    result = json.loads(args.verify_cost.read_text())
+    first, *more = args.verify_cost
+    result = json.loads(first.read_text())
+    for path in more:
+        extra = json.loads(path.read_text())
+        result["rows"] = [*result["rows"], *extra["rows"]]
+        result["started_utc"] = (
+            f"{result.get('started_utc', '?')}; {path.name}: {extra.get('started_utc', '?')}"
+        )
     variant = args.variant or result["rows"][0]["variant"]
-    text, check = render(
-        result, args.verify_cost, args.name, args.description or args.name, variant
-    )
+    text, check = render(result, first, args.name, args.description or args.name, variant)
     if args.out:
         args.out.write_text(text)
         print(f"wrote {args.out}")

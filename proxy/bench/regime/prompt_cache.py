@@ -49,7 +49,8 @@ class PromptCache:
             return 0.0  # already held (alloc skips it before copying)
         self.states = [s for s in self.states if common_prefix(s, cached) != len(s)]
         self.states.append(list(cached))
-        return self.cost.save_ms_per_ktoken * len(cached) / 1e3
+        rate = self.cost.prompt_cache_save_ms_per_ktoken
+        return (self.cost.save_ms_per_ktoken if rate is None else rate) * len(cached) / 1e3
 
     def load(self, cached: Sequence[int], prompt: Sequence[int]) -> tuple[list[int] | None, float]:
         """prompt_load: the saved prompt that keeps more of itself and covers more of

@@ -83,6 +83,9 @@ class SlotCost:
     # slot's own (with unified KV the action works over the whole pool)
     save_ms_per_span_kcell: float = 0.0
     restore_ms_per_span_kcell: float = 0.0
+    # llama-server's copy of a slot's prompt into its RAM prompt cache (a plain server's
+    # new conversation pays it); None: charged as a slot save
+    prompt_cache_save_ms_per_ktoken: float | None = None
 
     def save_ms(self, n_tokens: int, span: int = 0) -> float:
         return self._ms(self.save_ms_per_ktoken, self.save_ms_per_span_kcell, n_tokens, span)
