@@ -158,7 +158,8 @@ case "$STAGE" in
       "$OUT/h200-verify-cost-i.json" --name h200-cuda-14b-f16 \
       --description "NVIDIA H200, CUDA, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on" \
       -o "$OUT/h200-cuda-14b-f16.toml" | tail -3 || echo "build FAILED"
-    FORMULA_CONTEXT=512 FORMULA_K3=1 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_REAL_ONLY=1 \
+    FORMULA_CONTEXT=512 FORMULA_K3=1 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 \
+      FORMULA_REAL_ONLY=1 \
       bash scripts/h200_regime_run.sh formula || echo "formula 512 FAILED"
     FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
       FORMULA_REAL_ONLY=1 bash scripts/h200_regime_run.sh formula || echo "formula 4k FAILED"
