@@ -80,10 +80,14 @@ class Policies:
         """A round ended: the draft-length policy and the plain-run gate learn from it
         (the gate only from rounds without other streams: it compares rates alone; and
         not from rounds sent at a length chosen to measure it, such as the first sweep's
-        k = 2 rounds that cross Strix Halo's 8-token edge)."""
-        if self.plain_runs is not None and (self.slots is None or self.slots.alone()):
-            self.plain_runs.observe(record, exploring=self.draft_length.exploring_now())
+        k = 2 rounds that cross Strix Halo's 8-token edge). The gate also hears what a
+        free drafter could reach on the verify times measured so far."""
+        exploring = self.draft_length.exploring_now()
         self.draft_length.observe(record)
+        if self.plain_runs is not None and (self.slots is None or self.slots.alone()):
+            self.plain_runs.observe(
+                record, exploring=exploring, ceiling_ms=self.draft_length.ceiling_ms_per_token()
+            )
 
     def observe_next_draft(self, record: RoundRecord) -> None:
         """The round after `record` has its draft: what that waited (`next_drafted`,

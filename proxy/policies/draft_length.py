@@ -277,6 +277,23 @@ class DraftLengthPolicy:
         self._best, self._best_ahead = best, ahead
         return best
 
+    def ceiling_ms_per_token(self) -> float | None:
+        """The least ms per committed token a free drafter could reach on the verify
+        times measured here: min over the measured lengths k of verify(k) / E(k), drafts
+        costing nothing and hidden (the bench's `ideal`). None before an acceptance rate,
+        or while the first sweep has lengths left to measure (a longer one may be
+        cheaper per token). On the H200 at 4k it is ~14 ms a token against a 9.7 ms
+        plain step: speculation cannot win there at any drafter speed."""
+        a = self.acceptance_rate()
+        if a is None:
+            return None
+        if self.adaptive and self.rule in _FORMULA_RULES and self._sweep_length(True) is not None:
+            return None
+        known = {m: v for m, (v, c) in self._by_length.items() if c >= _SWEEP_SAMPLES}
+        if not known:
+            return None
+        return min(v / self.expected_tokens(m) for m, v in known.items())
+
     def verify_ms_at(self, n: int) -> float:
         """Mean verify time of rounds with n drafts: measured where the sweep's samples
         exist; between measured lengths, interpolated; beyond them, extrapolated along

@@ -160,14 +160,19 @@ class PlainRunGate:
         """The gate waits for the drafter's speed before speculating."""
         return self.mode != "off" and self.draft_ms is None
 
-    def observe(self, record: RoundRecord, exploring: bool = False) -> None:
+    def observe(
+        self, record: RoundRecord, exploring: bool = False, ceiling_ms: float | None = None
+    ) -> None:
         """One round of a generation: a plain run, or a speculative round that measures
         speculation (steady) or that catches the slots up on the runs' tokens (the first
         round of a generation prefills its prompt: no rate at all), and in every
         speculative round the drafter's own speed, which tells a drafter too slow to win
         apart. `exploring`: the draft-length policy sent the round at a length it
         measures, not at its choice; like a catch-up round it is part of what a
-        re-measurement costs, not a speculation speed."""
+        re-measurement costs, not a speculation speed. `ceiling_ms`: the least ms per
+        token a free drafter could reach on the verify times measured so far
+        (`DraftLengthPolicy.ceiling_ms_per_token`); where that loses to plain runs, plain
+        runs are chosen without waiting for steady rounds."""
         if record.plain_run:
             self._observe_run(record.verify_ms, record.n_run_tokens, record.drafter_busy)
             return
@@ -177,6 +182,23 @@ class PlainRunGate:
             self._observe_round(record.round_ms, record.n_committed)
         if record.fresh_tokens > 0:
             self.observe_drafter(record.fresh_ms / record.fresh_tokens)
+        if ceiling_ms is not None:
+            self._rule_out_by_ceiling(ceiling_ms)
+
+    def _rule_out_by_ceiling(self, ceiling_ms: float) -> None:
+        """Plain runs where even a free drafter loses on the measured verify times (the
+        usual re-measurements follow: a verify time measured at other contexts may
+        change). On the H200 at 4k this decides within the first request's sweep, where
+        steady rounds at the formula's length (after 15 exploring ones) came only in
+        the next request, which then speculated at 0.43x plain."""
+        plain = self._plain.ms_per_token
+        if self.plain_chosen or self.mode == "off" or plain is None:
+            return
+        if ceiling_ms * (1 - HYSTERESIS) >= plain:
+            self._switch(
+                f"a free drafter allows speculating no faster than {ceiling_ms:.1f} ms/token "
+                f"on the measured verify rounds vs plain {plain:.1f} ms/token"
+            )
 
     def hopeless(self) -> bool:
         """At the measured drafter speed speculation cannot beat plain runs, even with

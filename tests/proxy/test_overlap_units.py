@@ -802,3 +802,48 @@ async def test_a_draft_waits_for_the_timing_draft_and_reuses_its_line():
     assert draft.reused == 3 and session.computed == 3  # the timing draft's tokens
     assert len(reported) == 1
     await source.close()
+
+
+# the H200 at 4k (14B f16, wall ms of a verify round by k): every length costs
+# ~14 ms a committed token even with free drafts, against a 9.7 ms plain step
+H200_4K = {1: 24.8, 2: 33.2, 3: 40.0, 4: 45.0, 5: 50.0, 6: 55.0}
+
+
+def test_the_free_drafter_ceiling_waits_for_the_sweep_then_takes_the_best_length():
+    policy = DraftLengthPolicy(6)
+    play(policy, 4, STEEP, 0.77)  # k = 1 and 2 measured; 3 to 6 not yet
+    assert policy.ceiling_ms_per_token() is None
+    play(policy, 40, STEEP, 0.77)
+    a = policy.acceptance_rate()
+    assert a is not None
+    e = {k: (1 - a ** (k + 1)) / (1 - a) for k in STEEP}
+    measured = {k: v for k, (v, c) in policy._by_length.items() if c >= 2}
+    assert policy.ceiling_ms_per_token() == pytest.approx(
+        min(v / e[k] for k, v in measured.items())
+    )
+
+
+def test_the_gate_chooses_plain_runs_once_even_free_drafts_lose():
+    """On the H200 at 4k the gate chose plain runs only from steady rounds at the
+    formula's length, after the sweep's 15 exploring rounds: the next request still
+    speculated, at 0.43x plain. With the ceiling it decides once the sweep is over."""
+    from proxy.engine import RoundRecord
+    from proxy.policies import SharedPolicies
+
+    for verify, plain_ms, chosen in ((H200_4K, 9.7, True), (STEEP, 9.7, False)):
+        shared = SharedPolicies.build(6, plain_runs="auto")
+        policies = shared.for_request(None)
+        gate = policies.plain_runs
+        assert gate is not None and gate.decide() == gate.run_tokens
+        n = gate.run_tokens
+        policies.observe(RoundRecord(0, 0, n, 0.0, n * plain_ms, 0.0, plain_run=True,
+                                     n_run_tokens=n))  # fmt: skip
+        gate.observe_drafter(0.5)
+        for i in range(20):
+            k, _ = policies.draft_length.decide(True)
+            accepted = k if i % 2 else k - 1
+            policies.observe(
+                steady_round([1.0] * k, accepted, accepted + 1, 0.0, verify[k], verify[k],
+                             fresh_tokens=k, fresh_ms=0.0, resynced=True)
+            )  # fmt: skip
+        assert gate.plain_chosen is chosen, (verify, gate.snapshot())
