@@ -1,20 +1,32 @@
-"""glibc's free arena memory handed back to the system (`malloc_trim(0)`).
+"""glibc's heap kept from holding native memory the proxy has freed.
 
 Native buffers the proxy frees (a replaced drafter model's tensors, a failed draft
 session's buffers, the responses of requests a killed llama-server cut off) do not
-lower its RSS by themselves: what glibc took from its arenas for them (blocks under
-its mmap threshold, which rises to 32 MiB as large blocks are freed) stays resident as
-free arena space, spread over many arenas (a worker thread per draft session): 17-43
-MiB at a time in the 2-core soak. So the proxy trims at the moments such buffers were
-just freed: after a drafter load, re-creation or a replaced model's release, and after
-a managed llama-server's restart.
+lower its RSS by themselves, for two reasons, each with its remedy here:
 
-What trimming cannot give back is the arenas' fragmentation: partly used pages that
-grow with reloads. Pinning glibc's mmap threshold (MALLOC_MMAP_THRESHOLD_=131072) keeps
-the RSS flat but makes every draft step map and fault its buffers afresh (markedly
-slower drafts on the 2-core machine), so it is the operator's choice, not made here;
-docs/RELIABILITY.md, "Soak under faults". Elsewhere than glibc (musl, macOS, Windows)
-every call here does nothing.
+- glibc's dynamic thresholds: it raises its mmap threshold to the size of every
+  mmapped block freed (up to 32 MiB) and its trim threshold to twice that, so after
+  the first load the large blocks of draft sessions (four of 8 MiB a session) and of
+  later loads come from the arenas, where they fragment and stay
+  (`scripts/rss_kill_probe.py --event reload --events 6`: the trimmed anonymous RSS
+  +12 MiB, free arena space 50 to 104 MiB). `tune_malloc`, at the start of `serve`,
+  fixes both (mmap threshold 4 MiB: blocks from there up get mmaps of their own,
+  unmapped when freed, while a draft step's buffers, 0.6-2 MiB, still come from the
+  arenas; trim threshold 8 MiB) and caps glibc at 2 arenas (a thread per draft
+  session otherwise leaves free space in arenas of their own). The same probe: +4
+  MiB, free arena space 8 to 20 MiB; the 30-minute soak +2.2%. Draft sessions: no
+  change beyond the 2-core machine's noise (a few %); mapping the 8 MiB blocks
+  afresh costs ~1 ms each, ~4% of a short session. The thresholds pinned at glibc's
+  start value (128 KiB) also kept the RSS flat, but made drafts ~1.5x slower: every
+  step's buffers were mapped afresh, and a trim threshold left at 128 KiB shrank the
+  heap after every step.
+- Freed blocks under the threshold stay resident as free arena space. `trim_soon`
+  gives it back (`malloc_trim(0)`) at the moments such buffers were just freed: a
+  drafter load, re-creation or a replaced model's release, a managed llama-server's
+  restart.
+
+docs/RELIABILITY.md, "Handing freed native memory back". Elsewhere than glibc (musl,
+macOS, Windows) every call here does nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import sys
 import threading
 import time
@@ -41,6 +54,58 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
+
+
+# mallopt's parameter numbers (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+MMAP_THRESHOLD = 4 << 20  # above a draft step's buffers, below a model's large blocks
+TRIM_THRESHOLD = 8 << 20  # twice that, as glibc's own dynamic rule would set it
+ARENA_MAX = 2
+# what the operator sets these with: an environment variable, or GLIBC_TUNABLES
+_THRESHOLDS = (
+    ("MALLOC_MMAP_THRESHOLD_", "mmap_threshold"),
+    ("MALLOC_TRIM_THRESHOLD_", "trim_threshold"),
+)
+_ARENAS = (("MALLOC_ARENA_MAX", "arena_max"),)
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    if _malloc_trim() is None:  # not glibc (musl has a mallopt that does nothing)
+        return None
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
+def _operator_set(names: tuple[tuple[str, str], ...]) -> bool:
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return any(
+        variable in os.environ or f"glibc.malloc.{tunable}" in tunables
+        for variable, tunable in names
+    )
+
+
+def tune_malloc() -> dict[str, int]:
+    """Fix glibc's mmap and trim thresholds and cap its arenas (module docstring),
+    each unless the operator set it: the two thresholds are left alone together if
+    either is set (setting one stops glibc moving the other); what was set here, by
+    mallopt's names. Call before the drafter loads; it does not reach llama-server."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return {}
+    wanted: list[tuple[str, int, int]] = []
+    if not _operator_set(_THRESHOLDS):
+        wanted += [
+            ("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        ]
+    if not _operator_set(_ARENAS):
+        wanted.append(("M_ARENA_MAX", M_ARENA_MAX, ARENA_MAX))
+    done = {name: value for name, param, value in wanted if mallopt(param, value) == 1}
+    if done:
+        log.info("glibc malloc: %s", ", ".join(f"{k}={v}" for k, v in done.items()))
+    return done
 
 
 def trim() -> float:
@@ -103,4 +168,4 @@ def trim_soon(why: str) -> None:
     _trimmer.soon(why)
 
 
-__all__ = ["trim", "trim_soon"]
+__all__ = ["trim", "trim_soon", "tune_malloc"]

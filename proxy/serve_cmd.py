@@ -604,6 +604,7 @@ class _Running:
 
 
 async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> int:
+    native_memory.tune_malloc()  # before the drafter loads (its blocks' home is decided here)
     running = _Running()
     try:
         return await _serve(settings, running, ready)

@@ -8,7 +8,9 @@ import contextlib
 import gc
 import importlib.util
 import json
+import os
 import platform
+import subprocess
 import sys
 import threading
 import time
@@ -339,6 +341,81 @@ def test_trim_soon_runs_off_the_callers_thread_and_one_at_a_time(monkeypatch):
 def test_malloc_trim_is_found_and_runs_on_glibc():
     assert native_memory._malloc_trim() is not None
     assert native_memory.trim() >= 0.0
+
+
+def _fake_mallopt(monkeypatch) -> list[tuple[int, int]]:
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(native_memory, "_mallopt", lambda: lambda p, v: calls.append((p, v)) or 1)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    return calls
+
+
+def test_tune_malloc_pins_the_thresholds_and_caps_the_arenas(monkeypatch):
+    """The soak's RSS: glibc's dynamic thresholds put a reloaded model's blocks in the
+    arenas, where they fragmented (docs/RELIABILITY.md, "Handing freed native memory
+    back")."""
+    calls = _fake_mallopt(monkeypatch)
+    done = native_memory.tune_malloc()
+    assert done == {"M_MMAP_THRESHOLD": 4 << 20, "M_TRIM_THRESHOLD": 8 << 20, "M_ARENA_MAX": 2}
+    assert calls == [(-3, 4 << 20), (-1, 8 << 20), (-8, 2)]  # malloc.h's numbers
+
+
+@pytest.mark.parametrize(
+    ("env", "left"),
+    [
+        ({"MALLOC_MMAP_THRESHOLD_": "131072"}, {"M_MMAP_THRESHOLD", "M_TRIM_THRESHOLD"}),
+        ({"MALLOC_TRIM_THRESHOLD_": "0"}, {"M_MMAP_THRESHOLD", "M_TRIM_THRESHOLD"}),
+        ({"MALLOC_ARENA_MAX": "8"}, {"M_ARENA_MAX"}),
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, {"M_ARENA_MAX"}),
+        (
+            {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"},
+            {"M_MMAP_THRESHOLD", "M_TRIM_THRESHOLD"},
+        ),
+    ],
+)
+def test_tune_malloc_leaves_what_the_operator_set(monkeypatch, env, left):
+    calls = _fake_mallopt(monkeypatch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    done = native_memory.tune_malloc()
+    assert set(done) == {"M_MMAP_THRESHOLD", "M_TRIM_THRESHOLD", "M_ARENA_MAX"} - left
+    assert len(calls) == len(done)
+
+
+def test_tune_malloc_does_nothing_without_glibc(monkeypatch):
+    monkeypatch.setattr(native_memory, "_malloc_trim", lambda: None)
+    native_memory._mallopt.cache_clear()
+    try:
+        assert native_memory.tune_malloc() == {}
+    finally:
+        native_memory._mallopt.cache_clear()
+
+
+async def test_serve_tunes_malloc_before_it_starts_anything(monkeypatch):
+    order: list[str] = []
+    monkeypatch.setattr(native_memory, "tune_malloc", lambda: order.append("tune") or {})
+
+    async def fake_serve(settings, running, ready):
+        order.append("serve")
+        return 0
+
+    monkeypatch.setattr(serve_cmd, "_serve", fake_serve)
+    assert await serve_cmd.serve(proxy_settings("http://127.0.0.1:9", k=1)) == 0
+    assert order == ["tune", "serve"]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's settings are glibc's")
+def test_tune_malloc_takes_on_glibc():
+    """In a process of its own: the settings stay for the process's life."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.pop("GLIBC_TUNABLES", None)
+    code = "from proxy import native_memory; print(sorted(native_memory.tune_malloc()))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split("\n")[0] == "['M_ARENA_MAX', 'M_MMAP_THRESHOLD', 'M_TRIM_THRESHOLD']"
 
 
 # -- pass-through answers cut off by the server ----------------------------------------------
