@@ -104,7 +104,7 @@ def tune_malloc() -> dict[str, int]:
         wanted.append(("M_ARENA_MAX", M_ARENA_MAX, ARENA_MAX))
     done = {name: value for name, param, value in wanted if mallopt(param, value) == 1}
     if done:
-        log.info("glibc malloc: %s", ", ".join(f"{k}={v}" for k, v in done.items()))
+        log.debug("glibc malloc: %s", ", ".join(f"{k}={v}" for k, v in done.items()))
     return done
 
 
