@@ -134,8 +134,7 @@ class SlotReplicator:
             return []
         stale = {
             id_slot for id_slot, context in self.left_copies.items()
-            if id_slot not in self.in_flight
-            and common_prefix_length(context, prompt) < len(context) // 2
+            if common_prefix_length(context, prompt) < len(context) // 2
         }  # fmt: skip
         if not stale:
             return []
@@ -153,27 +152,30 @@ class SlotReplicator:
         if not (self.clear_stale_copies and self.available):
             return []
         try:
-            held = [
-                s for s in await self.upstream.slots()
-                if not s.get("is_processing") and s.get("n_prompt_tokens", 0) > 0
-            ]  # fmt: skip
+            listing = await self.upstream.slots()
         except (UpstreamClientError, UpstreamError) as exc:
             log.info("reading the slots failed (%s); plain decoding may run slower", exc)
             return []
+        held = [
+            s for s in listing if not s.get("is_processing") and s.get("n_prompt_tokens", 0) > 0
+        ]
         if len(held) < 2:
             return []
         latest = max(held, key=lambda s: s.get("id_task", -1))
-        stale = {s["id"] for s in held if s is not latest} - set(self.in_flight)
-        return await self.erase_idle(stale) if stale else []
+        return await self.erase_idle({s["id"] for s in held if s is not latest}, listing)
 
-    async def erase_idle(self, slots: set[int]) -> list[int]:
+    async def erase_idle(
+        self, slots: set[int], listing: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Empty the caches of those of `slots` that are idle now (a busy one may serve
-        another request already); returns the ids erased. Only speed depends on it: a
+        another request already) and that no generation in flight uses; returns the ids
+        erased. `listing`: /slots as the caller just read it. Only speed depends on it: a
         failure is logged and ends the erasing."""
         erased: list[int] = []
         try:
-            idle = {s["id"] for s in await self.upstream.slots() if not s.get("is_processing")}
-            for id_slot in sorted(slots & idle):
+            listing = listing if listing is not None else await self.upstream.slots()
+            idle = {s["id"] for s in listing if not s.get("is_processing")}
+            for id_slot in sorted((slots & idle) - set(self.in_flight)):
                 await self.upstream.slot_action(id_slot, "erase", "")
                 erased.append(id_slot)
                 self.left_copies.pop(id_slot, None)  # nothing left there to clear

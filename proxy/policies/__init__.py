@@ -84,10 +84,11 @@ class Policies:
         free drafter could reach on the verify times measured so far."""
         exploring = self.draft_length.exploring_now()
         self.draft_length.observe(record)
-        if self.plain_runs is not None and (self.slots is None or self.slots.alone()):
-            self.plain_runs.observe(
-                record, exploring=exploring, ceiling_ms=self.draft_length.ceiling_ms_per_token()
-            )
+        gate = self.plain_runs
+        if gate is not None and (self.slots is None or self.slots.alone()):
+            # the ceiling only matters while speculation is the choice
+            ceiling = None if gate.plain_chosen else self.draft_length.ceiling_ms_per_token()
+            gate.observe(record, exploring=exploring, ceiling_ms=ceiling)
 
     def observe_next_draft(self, record: RoundRecord) -> None:
         """The round after `record` has its draft: what that waited (`next_drafted`,
