@@ -19,6 +19,11 @@
 #   s15     start, verify-cost part i (the regime file rebuilt with it), the 512 and 4k
 #           cells with the defaults (real), the 3-turn chats real then emulated on this
 #           host (X = 0.12, with the defaults)
+#   vulkan  a Vulkan llama-server (carried .debs in .cache/vkdebs, docs/VULKAN.md), its
+#           verify-cost (parts a-g, 512 and 4k), the h200-vulkan-14b-f16 regime file, and
+#           its cells real (plain, fixed k = 3, formula at X = 0.12) then emulated here
+#   s16     start (with the Vulkan build beside it); the 4k and 512 cells with the
+#           defaults (real, CUDA); then vulkan
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -172,6 +177,53 @@ case "$STAGE" in
     npu bench --regime "$regime" "${CHAT[@]}" \
       --work-dir /tmp/chat2 -o "$OUT/h200-host-chat-emulated.json" | tail -25 \
       || echo "chat emulated FAILED"
+    ;;
+  vulkan-build)  # in the background beside `start`; /tmp/vk.sh: the run-time exports
+    install_sources
+    scripts/vulkan_prefix.sh .cache/vkdebs /tmp/vk > /tmp/vk.env
+    head -1 /tmp/vk.env > /tmp/vk.sh
+    # shellcheck disable=SC1091
+    . /tmp/vk.sh
+    eval "python3 -m proxy.cli install-server --jobs 8 --source $SRC $(tail -1 /tmp/vk.env)" \
+      | tail -1 > /tmp/vk.bin
+    "$(cat /tmp/vk.bin)" --list-devices
+    ;;
+  vulkan)
+    wait_for /tmp/vk.done 600 || { tail -20 /tmp/vk.log; exit 1; }
+    # shellcheck disable=SC1091
+    . /tmp/vk.sh
+    vk="$(cat /tmp/vk.bin)"
+    npu verify-cost --target /tmp/m14/target.gguf --llama-server "$vk" \
+      --variant 'vulkan=-ngl 99 -fa on' --context 512,4k -k 1,2,3,4,6 \
+      --new-tokens 1,2,3,4,5,6,7,8,9,11,13,16,24,32,48,64 --parts a,b,c,d,e,f,g \
+      --np-ks none --repeats 8 --warmup 2 --work-dir /tmp/vcvk \
+      -o "$OUT/h200-vulkan-verify-cost.json" | tail -45
+    python3 -m proxy.bench.regime.build "$OUT/h200-vulkan-verify-cost.json" \
+      --name h200-vulkan-14b-f16 \
+      --description "NVIDIA H200, Vulkan, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on" \
+      -o "$OUT/h200-vulkan-14b-f16.toml" | tail -3
+    VK_CELLS=(--context 512,4k -n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle
+      -k 6 --repeats 1 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12
+      --proxy-variant 'k3=--plain-runs off -k 3 --fixed-k' --proxy-variant 'spec=--plain-runs off'
+      --time-budget-s 330)
+    npu bench --target /tmp/m14/target.gguf --llama-server "$vk" --server-args='-ngl 99 -fa on' \
+      "${VK_CELLS[@]}" --work-dir /tmp/vkbench1 -o "$OUT/h200-vulkan-cells.json" | tail -25 \
+      || echo "vulkan cells FAILED"
+    npu bench --regime "$OUT/h200-vulkan-14b-f16.toml" "${VK_CELLS[@]}" --work-dir /tmp/vkbench2 \
+      -o "$OUT/h200-host-vulkan-cells-emulated.json" | tail -25 || echo "vulkan emulated FAILED"
+    ;;
+  s16)  # session 16's chain (see the list above)
+    install_sources
+    setsid nohup bash -c "bash scripts/h200_regime_run.sh vulkan-build && touch /tmp/vk.done" \
+      > /tmp/vk.log 2>&1 < /dev/null &
+    bash scripts/h200_regime_run.sh start
+    wait_for /tmp/vk.done 420 || tail -5 /tmp/vk.log  # no build beside the timed cells
+    FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
+      FORMULA_REAL_ONLY=1 bash scripts/h200_regime_run.sh formula || echo "formula 4k FAILED"
+    FORMULA_CONTEXT=512 FORMULA_K3=1 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 \
+      FORMULA_REPEATS=2 FORMULA_REAL_ONLY=1 \
+      bash scripts/h200_regime_run.sh formula || echo "formula 512 FAILED"
+    bash scripts/h200_regime_run.sh vulkan || echo "vulkan FAILED"
     ;;
   concurrency)  # issue 30's H200 run (scripts/h200_concurrency_run.sh), here to run it in
                 # the background

@@ -8,7 +8,8 @@ COLUMNS = [
     ("ctx", 6), ("k", 2), ("mode", 22), ("tok/s [min-max]", 20), ("x plain", 7),
     ("ideal (k)", 10), ("overlap (k)", 11), ("meas/ideal", 10), ("meas/overlap", 12),
     ("t_d ms", 6),
-    ("TTFT ms", 8), ("plain run", 9), ("accept", 6), ("acc/rnd", 7), ("k/rnd", 5), ("empty", 5),
+    ("TTFT ms", 8), ("t32 ms", 6), ("plain run", 9), ("accept", 6), ("acc/rnd", 7),
+    ("k/rnd", 5), ("empty", 5),
     ("a iid", 5),
     ("accept by position", 24),
     ("draft/verify/ovh ms", 20), ("srv ms", 6), ("tok in", 6), ("dec/rnd", 7),
@@ -63,6 +64,7 @@ def _row(entry: dict[str, Any]) -> list[str]:
         _f(entry.get("meas_over_overlap"), 2),
         _f(entry.get("draft_ms_per_token"), 2),
         _f(s["ttft_ms_median"], 0),
+        _f(s.get("first_n_ms_median"), 0),
         "-" if s.get("plain_run_share") is None else f"{100 * s['plain_run_share']:.0f}%",
         _f(s.get("acceptance"), 2),
         _f(s.get("accepted_per_round"), 2),
@@ -116,6 +118,8 @@ def render_table(result: dict[str, Any]) -> str:
         "BENCHMARKING ONLY: OUTPUT NOT VALID (not compared with plain: =plain 'not valid'). "
         "oracle(a,X,ms): X = --oracle-delay-steps, the delay per token as a fraction of the "
         "plain step measured at this context, and that delay in ms.",
+        "TTFT ms, t32 ms: request start to the first and to the 32nd streamed token, median "
+        "(a cold request's slot fill after its first token shows in t32).",
         "accept = accepted/drafted; acc/rnd = accepted per round; a iid = the per-token "
         "acceptance the cost model uses (ML estimate from per-position counts).",
         "pred turns|ovl: cost model (proxy/bench/costmodel.py) from a iid, k/rnd and the measured "

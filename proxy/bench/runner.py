@@ -17,9 +17,10 @@ The result JSON (schema "npu-spec-bench/1"):
   near-tie branches recorded for the oracle (`branches`: position, runner_up, gap,
   n_generated; see proxy.bench.branches).
 - `runs`: one per (mode, k, context, repeat, prompt): n_prompt, n_generated,
-  ttft_ms, decode_ms, total_ms, tokens_per_s, e2e_tokens_per_s, equal_to_plain,
-  exact_checked, first_mismatch, spec_header (X-Npu-Spec), server_timings (the
-  final chunk's `timings`), stats (see proxy.bench.stats.request_stats).
+  ttft_ms, first_n_ms (start to the 32nd token), decode_ms, total_ms, tokens_per_s,
+  e2e_tokens_per_s, equal_to_plain, exact_checked, first_mismatch, spec_header
+  (X-Npu-Spec), server_timings (the final chunk's `timings`), stats (see
+  proxy.bench.stats.request_stats).
   equal_to_plain compares exact ids (a second, non-streamed request) when
   exact_checked, else the streamed ids and text (see proxy.bench.client).
 - `instances`: one per started mode: its peak memory (rss_mb.*, gpu_mb.* in MiB;
@@ -89,7 +90,7 @@ RESULT_FIELDS = (
 )  # fmt: skip
 RUN_FIELDS = (
     "mode", "kind", "k", "context", "repeat", "prompt", "n_prompt", "n_generated",
-    "ttft_ms", "decode_ms", "total_ms", "tokens_per_s", "e2e_tokens_per_s",
+    "ttft_ms", "first_n_ms", "decode_ms", "total_ms", "tokens_per_s", "e2e_tokens_per_s",
     "equal_to_plain", "exact_checked", "first_mismatch", "spec_header", "server_timings",
     "stats", "valid_output", "mode_params",
 )  # fmt: skip
@@ -565,6 +566,7 @@ class BenchSession:
             "n_prompt": len(prompt.tokens),
             "n_generated": done.n_predicted,
             "ttft_ms": done.ttft_ms,
+            "first_n_ms": done.first_n_ms,
             "decode_ms": done.decode_ms,
             "total_ms": done.total_ms,
             "tokens_per_s": done.tokens_per_s,

@@ -169,6 +169,7 @@ def summarize(
 
 def _speeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     speeds = repeat_speeds(runs)
+    first_n = [r["first_n_ms"] for r in runs if r.get("first_n_ms") is not None]
     return {
         "tokens_per_s_median": statistics.median(speeds) if speeds else None,
         "tokens_per_s_min": min(speeds) if speeds else None,
@@ -176,6 +177,7 @@ def _speeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s_repeats": speeds,
         "tokens_per_s_pooled": _pooled_speed(runs),
         "ttft_ms_median": statistics.median(r["ttft_ms"] for r in runs) if runs else None,
+        "first_n_ms_median": statistics.median(first_n) if first_n else None,
     }
 
 

@@ -22,7 +22,8 @@ from proxy.bench.stats import ROW_KEYS
 
 SUMMARY_FIELDS = (
     "tokens_per_s_median", "tokens_per_s_min", "tokens_per_s_max", "tokens_per_s_repeats",
-    "ttft_ms_median", "n_runs", "n_equal_to_plain", "n_exact_checked", "n_speculative",
+    "ttft_ms_median", "first_n_ms_median", "n_runs", "n_equal_to_plain", "n_exact_checked",
+    "n_speculative",
     "rounds", "drafted",
     "accepted", "acceptance", "accepted_per_round", "tokens_per_round", "decodes_per_round",
     "memory",
@@ -116,6 +117,11 @@ async def test_bench_all_modes_complete_and_match_plain(
     for run in result["runs"]:
         assert tuple(run) == RUN_FIELDS
         assert run["n_generated"] > 0
+        # the 32nd token's time only where 32 came
+        if run["n_generated"] < 32:
+            assert run["first_n_ms"] is None
+        else:
+            assert run["ttft_ms"] < run["first_n_ms"] <= run["total_ms"]
         if run["kind"] == "builtin-synth":  # benchmarking only: never compared
             assert run["equal_to_plain"] is None and not run["valid_output"]
             continue
