@@ -24,6 +24,10 @@
 #           its cells real (plain, fixed k = 3, formula at X = 0.12) then emulated here
 #   s16     start (with the Vulkan build beside it); the 4k and 512 cells with the
 #           defaults (real, CUDA); then vulkan
+#   s16b    the Vulkan part again on a fresh machine (the first lost its hold after the
+#           512 half of verify-cost): the Vulkan build beside the models; verify-cost
+#           at 4k and part i; the regime file from those and the committed 512 half; the
+#           cells real, then the 512 cells emulated here
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -184,7 +188,7 @@ case "$STAGE" in
     head -1 /tmp/vk.env > /tmp/vk.sh
     # shellcheck disable=SC1091
     . /tmp/vk.sh
-    eval "python3 -m proxy.cli install-server --jobs 8 --source $SRC $(tail -1 /tmp/vk.env)" \
+    eval "python3 -m proxy.cli install-server --jobs ${VK_JOBS:-8} --source $SRC $(tail -1 /tmp/vk.env)" \
       | tail -1 > /tmp/vk.bin
     "$(cat /tmp/vk.bin)" --list-devices
     ;;
@@ -224,6 +228,40 @@ case "$STAGE" in
       FORMULA_REPEATS=2 FORMULA_REAL_ONLY=1 \
       bash scripts/h200_regime_run.sh formula || echo "formula 512 FAILED"
     bash scripts/h200_regime_run.sh vulkan || echo "vulkan FAILED"
+    ;;
+  s16b)
+    install_sources
+    setsid nohup bash -c "python3 -m proxy.cli make-models /tmp/m14 --target-shape qwen3-14b \
+      --draft noisy:0.025 --draft-shape qwen3-0.6b --draft-dtype q8_0 --no-drafter \
+      && touch /tmp/models.done" > /tmp/models.log 2>&1 < /dev/null &
+    VK_JOBS=12 bash scripts/h200_regime_run.sh vulkan-build > /tmp/vk.log 2>&1 && touch /tmp/vk.done
+    tail -3 /tmp/vk.log
+    wait_for /tmp/models.done 400 || tail -5 /tmp/models.log
+    # shellcheck disable=SC1091
+    . /tmp/vk.sh
+    vk="$(cat /tmp/vk.bin)"
+    npu verify-cost --target /tmp/m14/target.gguf --llama-server "$vk" \
+      --variant 'vulkan=-ngl 99 -fa on' --context 4k -k 1,2,3,4,6 \
+      --new-tokens 1,2,3,4,5,6,7,8,9,11,13,16,24,32,48,64 --parts a,b,c,d,e,f,g \
+      --np-ks none --repeats 8 --warmup 2 --work-dir /tmp/vcvk \
+      -o "$OUT/h200-vulkan-verify-cost-4k.json" | tail -25
+    npu verify-cost --target /tmp/m14/target.gguf --llama-server "$vk" \
+      --variant 'vulkan=-ngl 99 -fa on' --context 512,4k --parts i --repeats 6 --warmup 1 \
+      --work-dir /tmp/vcvki -o "$OUT/h200-vulkan-verify-cost-i.json" | tail -6
+    python3 -m proxy.bench.regime.build benchmarks/results/h200-s16-vulkan-verify-cost-512.json \
+      "$OUT/h200-vulkan-verify-cost-4k.json" "$OUT/h200-vulkan-verify-cost-i.json" \
+      --name h200-vulkan-14b-f16 \
+      --description "NVIDIA H200, Vulkan, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on" \
+      -o "$OUT/h200-vulkan-14b-f16.toml" | tail -3
+    VK_CELLS=(-n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle
+      -k 6 --repeats 1 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12
+      --proxy-variant 'k3=--plain-runs off -k 3 --fixed-k' --proxy-variant 'spec=--plain-runs off')
+    npu bench --target /tmp/m14/target.gguf --llama-server "$vk" --server-args='-ngl 99 -fa on' \
+      --context 512,4k "${VK_CELLS[@]}" --time-budget-s 330 --work-dir /tmp/vkbench1 \
+      -o "$OUT/h200-vulkan-cells.json" | tail -25 || echo "vulkan cells FAILED"
+    npu bench --regime "$OUT/h200-vulkan-14b-f16.toml" --context 512 "${VK_CELLS[@]}" \
+      --time-budget-s 170 --work-dir /tmp/vkbench2 \
+      -o "$OUT/h200-host-vulkan-cells-emulated.json" | tail -25 || echo "vulkan emulated FAILED"
     ;;
   concurrency)  # issue 30's H200 run (scripts/h200_concurrency_run.sh), here to run it in
                 # the background
