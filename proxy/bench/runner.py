@@ -293,6 +293,7 @@ class BenchSession:
         # the warm-up prompt's plain greedy output: the oracle drafts for it as well, so
         # that its warm-up teaches the proxy what a real drafter's would
         self._warmup_output: list[int] = []
+        self._warmup_branches: tuple[Branch, ...] = ()
 
     def _config(self, ctx: int) -> ServeConfig:
         o = self.options
@@ -361,8 +362,16 @@ class BenchSession:
                 self._warmup = (list(outside[0].tokens), o.n_predict, outside[0].id)
             else:
                 self._warmup = (await text.tokenize(WARMUP_TEXT), WARMUP_TOKENS, "short")
-            warm_tokens, warm_n, _ = self._warmup
+            warm_tokens, warm_n, warm_id = self._warmup
             self._warmup_output = await exact_tokens(session, server.base_url, warm_tokens, warm_n)
+            # the oracle follows the warm-up's near-ties too: off its path, the warm-up
+            # drafts nothing and the proxy learns nothing there (H200, 4k: 107 of 114
+            # rounds without a draft, docs/BENCHMARKS.md)
+            if warm_n == o.n_predict:  # a prompt of the set (`--warmup context`)
+                warm_turn = BenchPrompt(warm_id, "warmup", tuple(warm_tokens))
+                self._warmup_branches, _ = await self._branches(
+                    session, server, context, warm_turn, self._warmup_output
+                )
         finally:
             await server.stop()
         return prompts, outputs
@@ -401,7 +410,9 @@ class BenchSession:
         references: list[RecordedReference] = [
             (p.tokens, outputs[p.id].tokens, outputs[p.id].branches) for p in prompts
         ]
-        references.append((tuple(self._warmup[0]), tuple(self._warmup_output)))
+        references.append(
+            (tuple(self._warmup[0]), tuple(self._warmup_output), self._warmup_branches)
+        )
         folders = {}
         for a in o.oracle_acceptance:
             for _, ms in delays:

@@ -82,7 +82,12 @@ class Policies:
         not from rounds sent at a length chosen to measure it, such as the first sweep's
         k = 2 rounds that cross Strix Halo's 8-token edge). The gate also hears what a
         free drafter could reach on the verify times measured so far."""
-        exploring = self.draft_length.exploring_now()
+        # a round that sent no draft measured no length: the policy does not count it,
+        # so its round index would stay "exploring" for as long as the drafter yields
+        # nothing, and the gate would never see what such rounds cost (H200, 4k: a
+        # request off the oracle's path ran 107 one-prompt rounds at 1.4 plain steps
+        # a token and the gate chose nothing)
+        exploring = self.draft_length.exploring_now() and record.n_drafted > 0
         self.draft_length.observe(record)
         gate = self.plain_runs
         if gate is not None and (self.slots is None or self.slots.alone()):

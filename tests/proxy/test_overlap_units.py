@@ -847,3 +847,25 @@ def test_the_gate_chooses_plain_runs_once_even_free_drafts_lose():
                              fresh_tokens=k, fresh_ms=0.0, resynced=True)
             )  # fmt: skip
         assert gate.plain_chosen is chosen, (verify, gate.snapshot())
+
+
+def test_rounds_without_a_draft_count_as_speculation_for_the_gate():
+    """A drafter that yields nothing (a request off the oracle's path; an n-gram
+    drafter without a match) sends one-prompt rounds. The draft-length policy counts no
+    such round, so the round index it chose to explore stayed "exploring" and the gate
+    never judged them: on the H200 at 4k a warm-up ran 107 of them (13.5 ms a token
+    against a 9.7 ms step) and chose nothing. The gate must choose plain runs."""
+    from proxy.engine import RoundRecord
+    from proxy.policies import SharedPolicies
+
+    policies = SharedPolicies.build(6, plain_runs="auto").for_request(None)
+    gate = policies.plain_runs
+    assert gate is not None and gate.decide() == gate.run_tokens
+    n = gate.run_tokens
+    policies.observe(RoundRecord(0, 0, n, 0.0, n * 9.7, 0.0, plain_run=True, n_run_tokens=n))
+    gate.observe_drafter(0.5)
+    for _ in range(12):
+        k, _ = policies.draft_length.decide(True)
+        assert k >= 1  # the policy asked for drafts; the drafter had none
+        policies.observe(RoundRecord(0, 0, 1, 0.1, 13.0, 0.4, round_ms=13.5))
+    assert gate.plain_chosen, gate.snapshot()
