@@ -365,8 +365,8 @@ class BenchSession:
             warm_tokens, warm_n, warm_id = self._warmup
             self._warmup_output = await exact_tokens(session, server.base_url, warm_tokens, warm_n)
             # the oracle follows the warm-up's near-ties too: off its path, the warm-up
-            # drafts nothing and the proxy learns nothing there (H200, 4k: 107 of 114
-            # rounds without a draft, docs/BENCHMARKS.md)
+            # drafts nothing and the proxy learns nothing there (H200, 4k: 7 drafts in
+            # 107 rounds, docs/BENCHMARKS.md)
             if warm_n == o.n_predict:  # a prompt of the set (`--warmup context`)
                 warm_turn = BenchPrompt(warm_id, "warmup", tuple(warm_tokens))
                 self._warmup_branches, _ = await self._branches(

@@ -85,8 +85,8 @@ class Policies:
         # a round that sent no draft measured no length: the policy does not count it,
         # so its round index would stay "exploring" for as long as the drafter yields
         # nothing, and the gate would never see what such rounds cost (H200, 4k: a
-        # request off the oracle's path ran 107 one-prompt rounds at 1.4 plain steps
-        # a token and the gate chose nothing)
+        # request off the oracle's path ran ~100 one-prompt rounds at ~3 plain steps
+        # each and the gate chose nothing)
         exploring = self.draft_length.exploring_now() and record.n_drafted > 0
         self.draft_length.observe(record)
         gate = self.plain_runs

@@ -857,7 +857,7 @@ def test_rounds_without_a_draft_count_as_speculation_for_the_gate():
     """A drafter that yields nothing (a request off the oracle's path; an n-gram
     drafter without a match) sends one-prompt rounds. The draft-length policy counts no
     such round, so the round index it chose to explore stayed "exploring" and the gate
-    never judged them: on the H200 at 4k a warm-up ran 107 of them (13.5 ms a token
+    never judged them: on the H200 at 4k a warm-up ran ~100 of them (~29 ms a token
     against a 9.7 ms step) and chose nothing. The gate must choose plain runs."""
     from proxy.engine import RoundRecord
     from proxy.policies import SharedPolicies
