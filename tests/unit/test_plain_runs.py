@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 from dataclasses import replace
 
 import pytest
@@ -334,3 +335,18 @@ def test_rounds_sent_to_measure_a_length_are_no_speculation_speed(exploring):
         speculate(gate, MIN_SPEC_ROUNDS, 60.0, tokens=2)  # the chosen length: 60 ms a token
         assert not gate.plain_chosen
         assert gate.snapshot()["spec_ms_per_token"] == pytest.approx(60.0)
+
+
+def test_one_draft_rounds_by_chance_do_not_switch_to_plain_runs():
+    """At one draft a round each round commits 1 or 2 tokens, so a rate pooled over a
+    few rounds swings by chance. On the Strix Halo 14B file (emulated) a 400-token
+    warm-up that speculated at ~35 ms a token met an 8-round window at 46.3 and chose
+    plain runs (42.2). Rounds of 61.5 ms committing 1 + Bernoulli(0.73) tokens (35.5 ms
+    a token) never lose to a 42.2 ms plain step, however long they run."""
+    draws = random.Random(3)
+    gate = PlainRunGate()
+    gate.observe(plain_run(16 * 42.2, 16))
+    gate.observe_drafter(11.0)
+    for _ in range(400):
+        gate.observe(steady(61.5, 1 + (draws.random() < 0.73), drafter_ms=11.0))
+        assert not gate.plain_chosen, gate.snapshot()
