@@ -37,6 +37,24 @@ source scripts/device_env.sh
 BENCH_COMMON=(--prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6 --repeats 1
   --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12,0.27
   --proxy-variant 'k3=--plain-runs off -k 3 --fixed-k' --proxy-variant 'spec=--plain-runs off')
+# verify-cost parts a-g as the regime files are built from (with --context and -o)
+COSTS_PARTS=(-k 1,2,3,4,6 --new-tokens 1,2,3,4,5,6,7,8,9,11,13,16,24,32,48,64
+  --parts a,b,c,d,e,f,g --np-ks none --repeats 8 --warmup 2)
+# the Vulkan cells: plain, fixed k = 3 and the formula at X = 0.12 (with --context)
+VK_CELLS=(-n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6 --repeats 1
+  --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12
+  --proxy-variant 'k3=--plain-runs off -k 3 --fixed-k' --proxy-variant 'spec=--plain-runs off')
+VK_DESCRIPTION="NVIDIA H200, Vulkan, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on"
+make_models() {  # the 14B-shape target in /tmp/m14, in the background (/tmp/models.done)
+  setsid nohup bash -c "python3 -m proxy.cli make-models /tmp/m14 --target-shape qwen3-14b \
+    --draft noisy:0.025 --draft-shape qwen3-0.6b --draft-dtype q8_0 --no-drafter \
+    && touch /tmp/models.done" > /tmp/models.log 2>&1 < /dev/null &
+}
+use_vulkan() {  # after vulkan-build: its run-time exports, and $vk, the binary
+  # shellcheck disable=SC1091
+  . /tmp/vk.sh
+  vk="$(cat /tmp/vk.bin)"
+}
 
 case "$STAGE" in
   start)
@@ -44,9 +62,7 @@ case "$STAGE" in
     setsid nohup bash -c "python3 -m proxy.cli install-server --jobs 14 --source $SRC \
       --cmake-args='-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90' && touch /tmp/build.done" \
       > /tmp/build.log 2>&1 < /dev/null &
-    setsid nohup bash -c "python3 -m proxy.cli make-models /tmp/m14 --target-shape qwen3-14b \
-      --draft noisy:0.025 --draft-shape qwen3-0.6b --draft-dtype q8_0 --no-drafter \
-      && touch /tmp/models.done" > /tmp/models.log 2>&1 < /dev/null &
+    make_models
     wait_for /tmp/models.done 540 || tail -5 /tmp/models.log
     wait_for /tmp/build.done 540 || tail -5 /tmp/build.log
     nvidia-smi --query-gpu=name,memory.used --format=csv
@@ -56,8 +72,7 @@ case "$STAGE" in
     dest="${COSTS_OUT:-$OUT}"
     mkdir -p "$dest"
     npu verify-cost --target /tmp/m14/target.gguf --variant 'base=-ngl 99 -fa on' \
-      --context 512,4k -k 1,2,3,4,6 --new-tokens 1,2,3,4,5,6,7,8,9,11,13,16,24,32,48,64 \
-      --parts a,b,c,d,e,f,g --np-ks none --repeats 8 --warmup 2 --work-dir /tmp/vc \
+      --context 512,4k "${COSTS_PARTS[@]}" --work-dir /tmp/vc \
       -o "$dest/h200-verify-cost.json" | tail -45
     python3 -m proxy.bench.regime.build "$dest/h200-verify-cost.json" --name h200-cuda-14b-f16 \
       --description "NVIDIA H200, CUDA, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on" \
@@ -194,26 +209,18 @@ case "$STAGE" in
     ;;
   vulkan)
     wait_for /tmp/vk.done 600 || { tail -20 /tmp/vk.log; exit 1; }
-    # shellcheck disable=SC1091
-    . /tmp/vk.sh
-    vk="$(cat /tmp/vk.bin)"
+    use_vulkan
     npu verify-cost --target /tmp/m14/target.gguf --llama-server "$vk" \
-      --variant 'vulkan=-ngl 99 -fa on' --context 512,4k -k 1,2,3,4,6 \
-      --new-tokens 1,2,3,4,5,6,7,8,9,11,13,16,24,32,48,64 --parts a,b,c,d,e,f,g \
-      --np-ks none --repeats 8 --warmup 2 --work-dir /tmp/vcvk \
-      -o "$OUT/h200-vulkan-verify-cost.json" | tail -45
+      --variant 'vulkan=-ngl 99 -fa on' --context 512,4k "${COSTS_PARTS[@]}" \
+      --work-dir /tmp/vcvk -o "$OUT/h200-vulkan-verify-cost.json" | tail -45
     python3 -m proxy.bench.regime.build "$OUT/h200-vulkan-verify-cost.json" \
-      --name h200-vulkan-14b-f16 \
-      --description "NVIDIA H200, Vulkan, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on" \
+      --name h200-vulkan-14b-f16 --description "$VK_DESCRIPTION" \
       -o "$OUT/h200-vulkan-14b-f16.toml" | tail -3
-    VK_CELLS=(--context 512,4k -n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle
-      -k 6 --repeats 1 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12
-      --proxy-variant 'k3=--plain-runs off -k 3 --fixed-k' --proxy-variant 'spec=--plain-runs off'
-      --time-budget-s 330)
     npu bench --target /tmp/m14/target.gguf --llama-server "$vk" --server-args='-ngl 99 -fa on' \
-      "${VK_CELLS[@]}" --work-dir /tmp/vkbench1 -o "$OUT/h200-vulkan-cells.json" | tail -25 \
-      || echo "vulkan cells FAILED"
-    npu bench --regime "$OUT/h200-vulkan-14b-f16.toml" "${VK_CELLS[@]}" --work-dir /tmp/vkbench2 \
+      --context 512,4k "${VK_CELLS[@]}" --time-budget-s 330 --work-dir /tmp/vkbench1 \
+      -o "$OUT/h200-vulkan-cells.json" | tail -25 || echo "vulkan cells FAILED"
+    npu bench --regime "$OUT/h200-vulkan-14b-f16.toml" --context 512,4k "${VK_CELLS[@]}" \
+      --time-budget-s 330 --work-dir /tmp/vkbench2 \
       -o "$OUT/h200-host-vulkan-cells-emulated.json" | tail -25 || echo "vulkan emulated FAILED"
     ;;
   s16)  # session 16's chain (see the list above)
@@ -231,31 +238,21 @@ case "$STAGE" in
     ;;
   s16b)
     install_sources
-    setsid nohup bash -c "python3 -m proxy.cli make-models /tmp/m14 --target-shape qwen3-14b \
-      --draft noisy:0.025 --draft-shape qwen3-0.6b --draft-dtype q8_0 --no-drafter \
-      && touch /tmp/models.done" > /tmp/models.log 2>&1 < /dev/null &
+    make_models
     VK_JOBS=12 bash scripts/h200_regime_run.sh vulkan-build > /tmp/vk.log 2>&1 && touch /tmp/vk.done
     tail -3 /tmp/vk.log
     wait_for /tmp/models.done 400 || tail -5 /tmp/models.log
-    # shellcheck disable=SC1091
-    . /tmp/vk.sh
-    vk="$(cat /tmp/vk.bin)"
+    use_vulkan
     npu verify-cost --target /tmp/m14/target.gguf --llama-server "$vk" \
-      --variant 'vulkan=-ngl 99 -fa on' --context 4k -k 1,2,3,4,6 \
-      --new-tokens 1,2,3,4,5,6,7,8,9,11,13,16,24,32,48,64 --parts a,b,c,d,e,f,g \
-      --np-ks none --repeats 8 --warmup 2 --work-dir /tmp/vcvk \
+      --variant 'vulkan=-ngl 99 -fa on' --context 4k "${COSTS_PARTS[@]}" --work-dir /tmp/vcvk \
       -o "$OUT/h200-vulkan-verify-cost-4k.json" | tail -25
     npu verify-cost --target /tmp/m14/target.gguf --llama-server "$vk" \
       --variant 'vulkan=-ngl 99 -fa on' --context 512,4k --parts i --repeats 6 --warmup 1 \
       --work-dir /tmp/vcvki -o "$OUT/h200-vulkan-verify-cost-i.json" | tail -6
     python3 -m proxy.bench.regime.build benchmarks/results/h200-s16-vulkan-verify-cost-512.json \
       "$OUT/h200-vulkan-verify-cost-4k.json" "$OUT/h200-vulkan-verify-cost-i.json" \
-      --name h200-vulkan-14b-f16 \
-      --description "NVIDIA H200, Vulkan, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on" \
+      --name h200-vulkan-14b-f16 --description "$VK_DESCRIPTION" \
       -o "$OUT/h200-vulkan-14b-f16.toml" | tail -3
-    VK_CELLS=(-n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle
-      -k 6 --repeats 1 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12
-      --proxy-variant 'k3=--plain-runs off -k 3 --fixed-k' --proxy-variant 'spec=--plain-runs off')
     npu bench --target /tmp/m14/target.gguf --llama-server "$vk" --server-args='-ngl 99 -fa on' \
       --context 512,4k "${VK_CELLS[@]}" --time-budget-s 330 --work-dir /tmp/vkbench1 \
       -o "$OUT/h200-vulkan-cells.json" | tail -25 || echo "vulkan cells FAILED"
