@@ -422,10 +422,15 @@ class BenchSession:
         return folders
 
     async def _cost_phase(self, context: int | None, prompts: list[BenchPrompt]) -> RoundCosts:
-        """The plain step and t_v(k) at this prompt length, on a managed-mode server."""
+        """The plain step and t_v(k) at the measured prompts' length, on a managed-mode
+        server: the context, or with several turns (or no context) the median turn's
+        prompt. A chat's later turns run at 2-3 times the first's context, where each
+        round reads more KV; priced at the first's, the Strix Halo 32B chats' ceiling
+        came out too high."""
         o = self.options
         lengths = sorted(len(p.tokens) for p in prompts)
-        length = context or lengths[len(lengths) // 2]
+        median = lengths[len(lengths) // 2]
+        length = median if o.turns > 1 or not context else context
         log.info("ctx %s: measuring the plain step and t_v(k) for k in %s", context, o.ceiling_ks)
         costs = await measure_round_costs(
             o.target, length, o.ceiling_ks, server_args=o.server_args, threads=o.threads,

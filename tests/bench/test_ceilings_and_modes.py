@@ -263,3 +263,32 @@ async def test_a_shared_server_unit_keeps_the_time_budget_and_saves_each_mode(
     assert [e["mode"] for e in session.errors] == [unit[1].name, unit[2].name]
     saved = json.loads(session._progress.read_text())
     assert [r["mode"] for r in saved["runs"]] == [unit[0].name]
+
+
+@pytest.mark.parametrize(
+    ("turns", "context", "priced"), [(1, 512, 512), (3, 512, 900), (1, None, 900)]
+)
+async def test_the_ceiling_is_priced_at_the_turns_context(
+    tmp_path: Path, llama_server_bin: Path, monkeypatch: pytest.MonkeyPatch,
+    turns: int, context: int | None, priced: int,
+) -> None:  # fmt: skip
+    """A chat's later turns run at 2-3 times the first turn's context, where a round
+    reads more KV: its round costs are measured at the median turn's prompt, a single
+    turn's at the context asked for."""
+    from proxy.bench import runner
+    from proxy.bench.prompts import BenchPrompt
+
+    measured: list[int] = []
+
+    async def measure(target: Path, length: int, ks: object, **kwargs: object) -> object:
+        measured.append(length)
+        return runner.RoundCosts(length, 40.0, {}, {}, {})
+
+    monkeypatch.setattr(runner, "measure_round_costs", measure)
+    session = runner.BenchSession(
+        BenchOptions(target=tmp_path / "t.gguf", llama_server=llama_server_bin,
+                     work_dir=tmp_path / "work", turns=turns)
+    )  # fmt: skip
+    prompts = [BenchPrompt(f"p/t{n}", "chat", (1,) * n) for n in (513, 900, 1300)]
+    await session._cost_phase(context, prompts)
+    assert measured == [priced]
