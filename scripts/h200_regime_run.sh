@@ -31,8 +31,7 @@
 #   vulkan-rest  after vulkan-build and the models: the Vulkan verify-cost at 4k and part
 #           i, the regime file (with the committed 512 half), the Vulkan cells real
 #   s17     start with the Vulkan build beside it; the 512 and 4k cells with the defaults
-#           and the formula (CUDA, real); vulkan-rest; the 3-turn chats with the defaults
-#           (CUDA); the Vulkan cells emulated on this host
+#           and the formula at X = 0.12 (CUDA, real, 2 repeats); vulkan-rest
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -269,28 +268,18 @@ case "$STAGE" in
       --context 512,4k "${VK_CELLS[@]}" --time-budget-s 330 --work-dir /tmp/vkbench1 \
       -o "$OUT/h200-vulkan-cells.json" | tail -25 || echo "vulkan cells FAILED"
     ;;
-  s17)  # session 17's chain: start with the Vulkan build beside it; the CUDA cells with
-        # the gate's three fixes (defaults and the formula; 512 at X = 0.12 and 0.27, 4k at
-        # 0.12; real only); vulkan-rest; the 3-turn chats with the defaults (CUDA); the
-        # Vulkan cells emulated on this host
+  s17)  # session 17's chain (see the list above)
     install_sources
     setsid nohup bash -c "VK_JOBS=6 bash scripts/h200_regime_run.sh vulkan-build && touch /tmp/vk.done" \
       > /tmp/vk.log 2>&1 < /dev/null &
     bash scripts/h200_regime_run.sh start
     wait_for /tmp/vk.done 420 || tail -5 /tmp/vk.log  # no build beside the timed cells
-    FORMULA_CONTEXT=512 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12,0.27 \
+    FORMULA_CONTEXT=512 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 \
       FORMULA_REPEATS=2 FORMULA_REAL_ONLY=1 \
       bash scripts/h200_regime_run.sh formula || echo "formula 512 FAILED"
     FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
       FORMULA_REAL_ONLY=1 bash scripts/h200_regime_run.sh formula || echo "formula 4k FAILED"
     bash scripts/h200_regime_run.sh vulkan-rest || echo "vulkan-rest FAILED"
-    CHAT=(--context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" --oracle-delay-steps 0.12
-      --proxy-variant 'defaults=' --time-budget-s 400)
-    npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' "${CHAT[@]}" \
-      --work-dir /tmp/chat1 -o "$OUT/h200-chat.json" | tail -25 || echo "chat FAILED"
-    npu bench --regime "$OUT/h200-vulkan-14b-f16.toml" --context 512,4k "${VK_CELLS[@]}" \
-      --time-budget-s 330 --work-dir /tmp/vkbench2 \
-      -o "$OUT/h200-host-vulkan-cells-emulated.json" | tail -25 || echo "vulkan emulated FAILED"
     ;;
   concurrency)  # issue 30's H200 run (scripts/h200_concurrency_run.sh), here to run it in
                 # the background
