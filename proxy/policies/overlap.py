@@ -12,7 +12,14 @@ sides as it serves:
   that did not draft ahead) minus the drafting it actually waited for (a miss still
   waits for the token being drafted ahead);
 - the penalty: verify time with drafting ahead minus verify time without, compared at
-  equal draft lengths (the length changes the verify time far more than the overlap).
+  equal draft lengths and equal prompt tokens ingested (both change the verify time far
+  more than the overlap), leaving out rounds whose slots caught up.
+
+Keyed by draft length alone, the comparison took the batch's size for the overlap's
+cost. On Strix Halo's Vulkan a round whose slots lag by a few tokens more crosses the
+8-token edge and costs three times as much; one such round in a running mean swung the
+penalty from -4 ms to +15 ms, and on the 32B regime (emulated) drafting ahead went off
+and on ten times in a 2,400-token chat, each time for tens of rounds that drafted fresh.
 
 It keeps drafting ahead while the mean saving exceeds the mean penalty, and re-tries
 the losing choice now and then because load changes (less and less often while the
@@ -53,8 +60,9 @@ class OverlapPolicy:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"overlap mode must be auto, on or off, not {mode!r}")
         self.mode = mode
-        self.verify_ms: dict[tuple[bool, int], float] = {}  # (ahead?, drafts) -> mean
-        self.verify_n: dict[tuple[bool, int], int] = {}
+        # (ahead?, drafts, prompt tokens ingested) -> mean verify ms, and its count
+        self.verify_ms: dict[tuple[bool, int, int], float] = {}
+        self.verify_n: dict[tuple[bool, int, int], int] = {}
         self.samples: dict[bool, int] = {True: 0, False: 0}
         self.saving_ms: float | None = None
         self.saving_n = 0
@@ -93,15 +101,16 @@ class OverlapPolicy:
         return not best
 
     def penalty_ms(self) -> float | None:
-        """Extra verify time with drafting ahead, over the draft lengths seen often enough
-        both ways, weighted by how often."""
+        """Extra verify time with drafting ahead, over the batch shapes (draft length,
+        prompt tokens) seen often enough both ways, weighted by how often."""
         total = weight = 0.0
-        for (ahead, n), with_ms in self.verify_ms.items():
+        for (ahead, *shape), with_ms in self.verify_ms.items():
             if not ahead:
                 continue
-            counts = min(self.verify_n[(True, n)], self.verify_n.get((False, n), 0))
+            without = (False, *shape)
+            counts = min(self.verify_n[(True, *shape)], self.verify_n.get(without, 0))
             if counts >= _MIN_PER_LENGTH:
-                total += counts * (with_ms - self.verify_ms[(False, n)])
+                total += counts * (with_ms - self.verify_ms[without])
                 weight += counts
         return total / weight if weight else None
 
@@ -116,9 +125,12 @@ class OverlapPolicy:
         if ahead is None or next_drafted is None:
             return
         before = self._current
-        key = (ahead, record.n_drafted)
-        self.verify_n[key] = self.verify_n.get(key, 0) + 1
-        self.verify_ms[key] = _mean(self.verify_ms.get(key), record.verify_ms, self.verify_n[key])
+        if not record.catch_up:
+            key = (ahead, record.n_drafted, record.server_prompt_tokens)
+            self.verify_n[key] = self.verify_n.get(key, 0) + 1
+            self.verify_ms[key] = _mean(
+                self.verify_ms.get(key), record.verify_ms, self.verify_n[key]
+            )
         self.samples[ahead] += 1
         if next_drafted > 0:
             self._learn_drafting(ahead, next_drafted, record.next_draft_ms)

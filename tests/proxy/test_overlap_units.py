@@ -264,6 +264,29 @@ def test_overlap_policy_drops_drafting_ahead_when_it_slows_verification_more_tha
     assert policy.best() is True
 
 
+def test_overlap_policy_is_not_swayed_by_rounds_that_ingest_more_tokens():
+    """On Strix Halo's Vulkan a round whose slots lag a little more crosses the 8-token
+    edge and costs ~200 ms more, whether or not the drafter drafted ahead beside it.
+    Compared at equal prompt tokens those rounds say nothing about the overlap's cost,
+    and drafting ahead (which costs verification nothing here) stays on."""
+    policy = OverlapPolicy("auto")
+    rng = np.random.default_rng(3)
+    choices = []
+    for _ in range(600):
+        ahead = policy.decide(True)
+        choices.append(ahead)
+        large = rng.random() < 0.1
+        verify = 110.0 + (200.0 if large else 0.0) + rng.normal(0, 1)
+        next_draft = 0.2 if ahead and rng.random() < 0.5 else 11.0
+        policy.observe(
+            RoundRecord(1, 0, 1, 0.0, verify, 0.0, drafted_ahead=ahead, next_drafted=1,
+                        next_draft_ms=next_draft, server_prompt_tokens=9 if large else 4)
+        )  # fmt: skip
+    assert policy.best() is True
+    later = choices[100:]
+    assert later.count(False) <= len(later) / 16
+
+
 def test_overlap_policy_fixed_modes():
     assert all(OverlapPolicy("on").decide(True) for _ in range(20))
     assert not any(OverlapPolicy("off").decide(True) for _ in range(20))
