@@ -154,6 +154,7 @@ class Generation:
         )
         if self.observer is not None:
             self.observer.observe_generation(len(text.tokens), end - loop.started)
+        self.policies.observe_generation(len(text.tokens))
         verify = [r for r in loop.rounds if not r.plain_run]
         log.info(
             "[%s] done: %d tokens in %.2f s (first %.0f ms); %d verify rounds (%d drafted, "

@@ -95,6 +95,12 @@ class Policies:
             ceiling = None if gate.plain_chosen else self.draft_length.ceiling_ms_per_token()
             gate.observe(record, exploring=exploring, ceiling_ms=ceiling)
 
+    def observe_generation(self, n_tokens: int) -> None:
+        """A generation ended after writing `n_tokens` (the gate spreads a cold
+        request's cost over a request's length)."""
+        if self.plain_runs is not None:
+            self.plain_runs.observe_request(n_tokens)
+
     def observe_next_draft(self, record: RoundRecord) -> None:
         """The round after `record` has its draft: what that waited (`next_drafted`,
         `next_draft_ms`) judges `record`'s choice to draft ahead (the overlap policy). It

@@ -350,3 +350,33 @@ def test_one_draft_rounds_by_chance_do_not_switch_to_plain_runs():
     for _ in range(400):
         gate.observe(steady(61.5, 1 + (draws.random() < 0.73), drafter_ms=11.0))
         assert not gate.plain_chosen, gate.snapshot()
+
+
+def test_a_cold_requests_slot_fill_is_charged_to_speculation_over_a_requests_length():
+    """H200, 512, 14B f16: steady rounds within 3% of plain runs, and each cold request's
+    slot copies ~210 ms. Over 128-token requests that is 1.6 ms a token more: plain runs
+    win once a request's length is known. Over long answers the fill is spread thin,
+    and speculation that wins in steady rounds keeps winning."""
+
+    def serve(gate: PlainRunGate, n_tokens: int, fill_ms: float) -> None:
+        first = replace(steady(30.0, 1), first=True, overhead_ms=fill_ms)
+        gate.observe(first)
+        gate.observe(replace(catch_up(30.0, 3), overhead_ms=2.0))
+        speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=9.5)
+        gate.observe_request(n_tokens)
+
+    short = PlainRunGate("auto", run_tokens=16)
+    begin(short, plain_ms_per_token=9.6)
+    serve(short, 128, fill_ms=210.0)
+    assert short.cold_ms == pytest.approx(212.0)
+    assert short.plain_chosen  # 9.5 + 212 / 128 against 9.6
+
+    long = PlainRunGate("auto", run_tokens=16)
+    begin(long, plain_ms_per_token=9.6)
+    serve(long, 4096, fill_ms=210.0)
+    assert not long.plain_chosen  # 9.5 + 212 / 4096: within the hysteresis
+
+    no_fill = PlainRunGate("auto", run_tokens=16)
+    begin(no_fill, plain_ms_per_token=9.6)
+    serve(no_fill, 128, fill_ms=0.0)
+    assert not no_fill.plain_chosen
