@@ -54,6 +54,13 @@ make_models() {  # the 14B-shape target in /tmp/m14, in the background (/tmp/mod
     --draft noisy:0.025 --draft-shape qwen3-0.6b --draft-dtype q8_0 --no-drafter \
     && touch /tmp/models.done" > /tmp/models.log 2>&1 < /dev/null &
 }
+start_with_vulkan() {  # start, with the Vulkan build (VK_JOBS jobs) beside it; waits for both
+  install_sources
+  setsid nohup bash -c "VK_JOBS=${VK_JOBS:-8} bash scripts/h200_regime_run.sh vulkan-build \
+    && touch /tmp/vk.done" > /tmp/vk.log 2>&1 < /dev/null &
+  bash scripts/h200_regime_run.sh start
+  wait_for /tmp/vk.done 420 || tail -5 /tmp/vk.log  # no build beside the timed cells
+}
 use_vulkan() {  # after vulkan-build: its run-time exports, and $vk, the binary
   # shellcheck disable=SC1091
   . /tmp/vk.sh
@@ -228,11 +235,7 @@ case "$STAGE" in
       -o "$OUT/h200-host-vulkan-cells-emulated.json" | tail -25 || echo "vulkan emulated FAILED"
     ;;
   s16)  # session 16's chain (see the list above)
-    install_sources
-    setsid nohup bash -c "bash scripts/h200_regime_run.sh vulkan-build && touch /tmp/vk.done" \
-      > /tmp/vk.log 2>&1 < /dev/null &
-    bash scripts/h200_regime_run.sh start
-    wait_for /tmp/vk.done 420 || tail -5 /tmp/vk.log  # no build beside the timed cells
+    start_with_vulkan
     FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
       FORMULA_REAL_ONLY=1 bash scripts/h200_regime_run.sh formula || echo "formula 4k FAILED"
     FORMULA_CONTEXT=512 FORMULA_K3=1 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 \
@@ -269,11 +272,7 @@ case "$STAGE" in
       -o "$OUT/h200-vulkan-cells.json" | tail -25 || echo "vulkan cells FAILED"
     ;;
   s17)  # session 17's chain (see the list above)
-    install_sources
-    setsid nohup bash -c "VK_JOBS=6 bash scripts/h200_regime_run.sh vulkan-build && touch /tmp/vk.done" \
-      > /tmp/vk.log 2>&1 < /dev/null &
-    bash scripts/h200_regime_run.sh start
-    wait_for /tmp/vk.done 420 || tail -5 /tmp/vk.log  # no build beside the timed cells
+    VK_JOBS=6 start_with_vulkan
     FORMULA_CONTEXT=512 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 \
       FORMULA_REPEATS=2 FORMULA_REAL_ONLY=1 \
       bash scripts/h200_regime_run.sh formula || echo "formula 512 FAILED"
