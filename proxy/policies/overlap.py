@@ -17,9 +17,10 @@ sides as it serves:
 
 Keyed by draft length alone, the comparison took the batch's size for the overlap's
 cost. On Strix Halo's Vulkan a round whose slots lag by a few tokens more crosses the
-8-token edge and costs three times as much; one such round in a running mean swung the
-penalty from -4 ms to +15 ms, and on the 32B regime (emulated) drafting ahead went off
-and on ten times in a 2,400-token chat, each time for tens of rounds that drafted fresh.
+8-token edge and costs three times as much; a few such rounds in a running mean swung
+the penalty between -4 ms and +15 ms, and on the 32B regime (emulated) drafting ahead
+went off and on ten times in one 2,400-token chat run, each time for tens of rounds that
+drafted fresh.
 
 It keeps drafting ahead while the mean saving exceeds the mean penalty, and re-tries
 the losing choice now and then because load changes (less and less often while the
