@@ -209,3 +209,15 @@ def test_rows_i_give_the_plain_servers_prompt_cache_rate() -> None:
     charged = PromptCache(SlotCost(save_ms_per_ktoken=182.0, prompt_cache_save_ms_per_ktoken=115.0))
     assert charged.save(list(range(4096))) == pytest.approx(115.0 * 4.096)
     assert PromptCache(SlotCost(save_ms_per_ktoken=182.0)).save([1] * 1000) == pytest.approx(182.0)
+
+
+def test_a_one_slot_row_is_taken_warm_not_at_the_median_of_a_slow_start() -> None:
+    """H200, Vulkan, 512: the 3-token batch took 40 ms four times, then 13.7 four times
+    (the backend's first uses of a batch shape); the rounds repeat their shapes, so the
+    file charges the warm half, not the median of both."""
+    from proxy.bench.regime.build import _warm_server_ms
+
+    slow_start = [40.0] * 4 + [13.7] * 4
+    row = {"server_ms_median": 26.9, "samples": [{"server_ms": ms} for ms in slow_start]}
+    assert _warm_server_ms(row) == pytest.approx(13.7)
+    assert _warm_server_ms({"server_ms_median": 26.9, "samples": []}) == 26.9
