@@ -356,7 +356,7 @@ def test_a_cold_requests_slot_fill_is_charged_to_speculation_over_a_requests_len
     """H200, 512, 14B f16: steady rounds within 3% of plain runs, and each cold request's
     slot copies ~210 ms. Over 128-token requests that is 1.6 ms a token more: plain runs
     win once a request's length is known. Over long answers the fill is spread thin,
-    and speculation that wins in steady rounds keeps winning."""
+    and speculation, within the hysteresis of plain runs, is kept."""
 
     def serve(gate: PlainRunGate, n_tokens: int, fill_ms: float) -> None:
         first = replace(steady(30.0, 1), first=True, overhead_ms=fill_ms)
