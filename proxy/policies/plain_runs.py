@@ -54,6 +54,8 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Literal
 
+from proxy.policies.draft_length import _ema
+
 if TYPE_CHECKING:
     from proxy.data.records import RoundRecord
 
@@ -79,10 +81,6 @@ PASS_REQUESTS_MAX = 64  # doubling while re-measurements confirm plain runs
 BOUND_K_MAX = 16  # draft lengths the drafter-speed bound considers
 _COLD_ALPHA = 0.3  # weight of the newest request in the cold cost and the request length
 _DRAFT_ALPHA = 0.3  # weight of the newest drafter timing
-
-
-def _running(old: float | None, new: float) -> float:
-    return new if old is None else old + _COLD_ALPHA * (new - old)
 
 
 def speculation_bound_ms(plain_ms: float, draft_ms: float, k_max: int = BOUND_K_MAX) -> float:
@@ -217,13 +215,13 @@ class PlainRunGate:
         elif record.catch_up and self._cold_pending is not None:
             self._cold_pending += record.overhead_ms
         elif not exploring and self._cold_pending is not None:
-            self.cold_ms = _running(self.cold_ms, self._cold_pending)
+            self.cold_ms = _ema(self.cold_ms, self._cold_pending, _COLD_ALPHA)
             self._cold_pending = None
 
     def observe_request(self, n_tokens: int) -> None:
         """A request served by the engine ended after writing `n_tokens`."""
         if n_tokens > 0:
-            self.request_tokens = _running(self.request_tokens, float(n_tokens))
+            self.request_tokens = _ema(self.request_tokens, float(n_tokens), _COLD_ALPHA)
             if len(self._spec) >= MIN_SPEC_ROUNDS:
                 self._reconsider()
 
@@ -275,8 +273,7 @@ class PlainRunGate:
         from a draft timed beside a plain run."""
         if ms_per_token <= 0:
             return
-        old = self.draft_ms
-        self.draft_ms = ms_per_token if old is None else old + _DRAFT_ALPHA * (ms_per_token - old)
+        self.draft_ms = _ema(self.draft_ms, ms_per_token, _DRAFT_ALPHA)
         if self._spec_probe_left > 0 and self.hopeless():
             self._spec_probe_left = 0  # no need to finish a re-measurement that cannot win
             self._probe_spec_after = self._next_probe_wait()
