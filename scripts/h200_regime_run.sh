@@ -32,6 +32,10 @@
 #           i, the regime file (with the committed 512 half), the Vulkan cells real
 #   s17     start with the Vulkan build beside it; the 512 and 4k cells with the defaults
 #           and the formula at X = 0.12 (CUDA, real, 2 repeats); vulkan-rest
+#   s18     start; then, side by side on separate cores: the real CUDA cells with the
+#           defaults (512 at X = 0.12 and 0.27, 4k at 0.12, 2 repeats; the 3-turn chats)
+#           on cores 0-7, and emulations on 8-15 (the Strix Halo 14B chats and single
+#           turns, the 32B single turns, the committed Vulkan file's cells)
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -279,6 +283,40 @@ case "$STAGE" in
     FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
       FORMULA_REAL_ONLY=1 bash scripts/h200_regime_run.sh formula || echo "formula 4k FAILED"
     bash scripts/h200_regime_run.sh vulkan-rest || echo "vulkan-rest FAILED"
+    ;;
+  s18)  # session 18's chain (see the list above)
+    bash scripts/h200_regime_run.sh start
+    STRIX=(--context 512 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 4 --repeats 1
+      --ceiling-ks 1,2,3,4 --oracle-acceptance 0.8 --oracle-delay-ms 11 --oracle-branches 0
+      --proxy-variant 'defaults=')
+    (
+      taskset -c 8-11 python3 -m proxy.cli bench --regime strix-halo-vulkan-14b "${STRIX[@]}" \
+        --turns 3 -n 400 --work-dir /tmp/s14c -o "$OUT/h200-host-strix-14b-chat.json" \
+        | tail -12 || echo "strix 14b chat FAILED"
+      taskset -c 8-11 python3 -m proxy.cli bench --regime strix-halo-vulkan-14b "${STRIX[@]}" \
+        -n 128 --work-dir /tmp/s14s -o "$OUT/h200-host-strix-14b-single.json" \
+        | tail -12 || echo "strix 14b single FAILED"
+    ) > /tmp/emu-a.log 2>&1 &
+    (
+      taskset -c 12-15 python3 -m proxy.cli bench --regime h200-vulkan-14b-f16 --context 512,4k \
+        "${VK_CELLS[@]}" --work-dir /tmp/vkemu -o "$OUT/h200-host-vulkan-cells-emulated.json" \
+        | tail -25 || echo "vulkan emulated FAILED"
+      taskset -c 12-15 python3 -m proxy.cli bench --regime strix-halo-vulkan-32b "${STRIX[@]}" \
+        -n 128 --work-dir /tmp/s32s -o "$OUT/h200-host-strix-32b-single.json" \
+        | tail -12 || echo "strix 32b single FAILED"
+    ) > /tmp/emu-b.log 2>&1 &
+    FORMULA_CONTEXT=512 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12,0.27 \
+      FORMULA_REPEATS=2 FORMULA_REAL_ONLY=1 \
+      taskset -c 0-7 bash scripts/h200_regime_run.sh formula || echo "formula 512 FAILED"
+    FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
+      FORMULA_REAL_ONLY=1 taskset -c 0-7 bash scripts/h200_regime_run.sh formula \
+      || echo "formula 4k FAILED"
+    taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+      --server-args='-ngl 99 -fa on' --context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" \
+      --oracle-delay-steps 0.12 --proxy-variant 'defaults=' --time-budget-s 400 \
+      --work-dir /tmp/chat1 -o "$OUT/h200-chat.json" | tail -25 || echo "chat FAILED"
+    wait
+    cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
     ;;
   concurrency)  # issue 30's H200 run (scripts/h200_concurrency_run.sh), here to run it in
                 # the background
