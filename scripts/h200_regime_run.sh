@@ -33,9 +33,10 @@
 #   s17     start with the Vulkan build beside it; the 512 and 4k cells with the defaults
 #           and the formula at X = 0.12 (CUDA, real, 2 repeats); vulkan-rest
 #   s18     start; then, side by side on separate cores: the real CUDA cells with the
-#           defaults (512 at X = 0.12 and 0.27, 4k at 0.12, 2 repeats; the 3-turn chats)
-#           on cores 0-7, and emulations on 8-15 (the Strix Halo 14B chats and single
-#           turns, the 32B single turns, the committed Vulkan file's cells)
+#           defaults (512 at X = 0.12 and 0.27, 4k at 0.12, 2 repeats; the 3-turn chats
+#           at both) on cores 0-7, and emulations on 8-15 (the Strix Halo 14B chats and
+#           single turns, the 32B single turns, the committed Vulkan file's cells, the
+#           committed CUDA file's 512 cells and chats)
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -148,7 +149,8 @@ case "$STAGE" in
     ;;
   formula)  # FORMULA_CONTEXT: 4k (default) or 512; FORMULA_K3=1 adds the fixed k = 3 cells;
             # FORMULA_NOREUSE=0 drops the --slot-file-reuse off cells, FORMULA_DEFAULTS=1
-            # adds the defaults; FORMULA_REAL_ONLY=1 skips the emulated run
+            # adds the defaults; FORMULA_REAL_ONLY=1 skips the emulated run,
+            # FORMULA_EMULATED_ONLY=1 the real one
     ctx="${FORMULA_CONTEXT:-4k}"
     FORMULA=(--context "$ctx" -n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6
       --repeats "${FORMULA_REPEATS:-3}" --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77
@@ -159,8 +161,9 @@ case "$STAGE" in
     [ "${FORMULA_DEFAULTS:-0}" = 1 ] && FORMULA+=(--proxy-variant 'defaults=')
     [ "${FORMULA_KEEP:-0}" = 1 ] && \
       FORMULA+=(--proxy-variant 'keep=--plain-runs off --clear-stale-copies off')
-    npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' "${FORMULA[@]}" \
-      --work-dir "/tmp/formula1-$ctx" -o "$OUT/h200-formula-$ctx.json" | tail -25
+    [ "${FORMULA_EMULATED_ONLY:-0}" = 1 ] || \
+      npu bench --target /tmp/m14/target.gguf --server-args='-ngl 99 -fa on' "${FORMULA[@]}" \
+        --work-dir "/tmp/formula1-$ctx" -o "$OUT/h200-formula-$ctx.json" | tail -25
     [ "${FORMULA_REAL_ONLY:-0}" = 1 ] && exit 0
     npu bench --regime "${REGIME:-proxy/bench/regime/regimes/h200-cuda-14b-f16.toml}" \
       "${FORMULA[@]}" --work-dir "/tmp/formula2-$ctx" \
@@ -296,6 +299,10 @@ case "$STAGE" in
       taskset -c 8-11 python3 -m proxy.cli bench --regime strix-halo-vulkan-14b "${STRIX[@]}" \
         -n 128 --work-dir /tmp/s14s -o "$OUT/h200-host-strix-14b-single.json" \
         | tail -12 || echo "strix 14b single FAILED"
+      taskset -c 8-11 python3 -m proxy.cli bench --regime h200-cuda-14b-f16 --context 512 \
+        --turns 3 -n 400 "${BENCH_COMMON[@]}" --proxy-variant 'defaults=' --time-budget-s 500 \
+        --work-dir /tmp/chat2 -o "$OUT/h200-host-chat-emulated.json" | tail -25 \
+        || echo "chat emulated FAILED"
     ) > /tmp/emu-a.log 2>&1 &
     (
       taskset -c 12-15 python3 -m proxy.cli bench --regime h200-vulkan-14b-f16 --context 512,4k \
@@ -304,6 +311,9 @@ case "$STAGE" in
       taskset -c 12-15 python3 -m proxy.cli bench --regime strix-halo-vulkan-32b "${STRIX[@]}" \
         -n 128 --work-dir /tmp/s32s -o "$OUT/h200-host-strix-32b-single.json" \
         | tail -12 || echo "strix 32b single FAILED"
+      FORMULA_CONTEXT=512 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12,0.27 \
+        FORMULA_REPEATS=2 FORMULA_EMULATED_ONLY=1 taskset -c 12-15 \
+        bash scripts/h200_regime_run.sh formula || echo "formula 512 emulated FAILED"
     ) > /tmp/emu-b.log 2>&1 &
     FORMULA_CONTEXT=512 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12,0.27 \
       FORMULA_REPEATS=2 FORMULA_REAL_ONLY=1 \
@@ -313,8 +323,8 @@ case "$STAGE" in
       || echo "formula 4k FAILED"
     taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
       --server-args='-ngl 99 -fa on' --context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" \
-      --oracle-delay-steps 0.12 --proxy-variant 'defaults=' --time-budget-s 400 \
-      --work-dir /tmp/chat1 -o "$OUT/h200-chat.json" | tail -25 || echo "chat FAILED"
+      --proxy-variant 'defaults=' --time-budget-s 500 --work-dir /tmp/chat1 \
+      -o "$OUT/h200-chat.json" | tail -25 || echo "chat FAILED"
     wait
     cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
     ;;
