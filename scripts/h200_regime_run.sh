@@ -33,8 +33,8 @@
 #   s17     start with the Vulkan build beside it; the 512 and 4k cells with the defaults
 #           and the formula at X = 0.12 (CUDA, real, 2 repeats); vulkan-rest
 #   s18     start; then, side by side on separate cores: the real CUDA cells with the
-#           defaults (512 at X = 0.12 and 0.27, 4k at 0.12, 2 repeats; the 3-turn chats
-#           at both) on cores 0-7, and emulations on 8-15 (the Strix Halo 14B chats and
+#           defaults (512 at X = 0.12 and 0.27, 2 repeats; the 3-turn chats at both; 4k
+#           at 0.12, 2 repeats) on cores 0-7, and emulations on 8-15 (the Strix Halo 14B chats and
 #           single turns, the 32B single turns, the committed Vulkan file's cells, the
 #           committed CUDA file's 512 cells and chats)
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
@@ -318,13 +318,13 @@ case "$STAGE" in
     FORMULA_CONTEXT=512 FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12,0.27 \
       FORMULA_REPEATS=2 FORMULA_REAL_ONLY=1 \
       taskset -c 0-7 bash scripts/h200_regime_run.sh formula || echo "formula 512 FAILED"
-    FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
-      FORMULA_REAL_ONLY=1 taskset -c 0-7 bash scripts/h200_regime_run.sh formula \
-      || echo "formula 4k FAILED"
     taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
       --server-args='-ngl 99 -fa on' --context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" \
       --proxy-variant 'defaults=' --time-budget-s 500 --work-dir /tmp/chat1 \
       -o "$OUT/h200-chat.json" | tail -25 || echo "chat FAILED"
+    FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
+      FORMULA_REAL_ONLY=1 taskset -c 0-7 bash scripts/h200_regime_run.sh formula \
+      || echo "formula 4k FAILED"
     wait
     cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
     ;;
