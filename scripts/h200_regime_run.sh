@@ -33,8 +33,9 @@
 #   s17     start with the Vulkan build beside it; the 512 and 4k cells with the defaults
 #           and the formula at X = 0.12 (CUDA, real, 2 repeats); vulkan-rest
 #   s18     start; then, side by side on separate cores: the real CUDA cells with the
-#           defaults (512 at X = 0.12 and 0.27, 2 repeats; the 3-turn chats at both; 4k
-#           at 0.12, 2 repeats) on cores 0-7, and emulations on 8-15 (the Strix Halo 14B chats and
+#           defaults (512 at X = 0.12 and 0.27, 2 repeats; the 3-turn chats at both;
+#           verify-cost part f with the slot files in /tmp and in /dev/shm; 4k at 0.12,
+#           2 repeats) on cores 0-7, and emulations on 8-15 (the Strix Halo 14B chats and
 #           single turns, the 32B single turns, the committed Vulkan file's cells, the
 #           committed CUDA file's 512 cells and chats)
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
@@ -322,6 +323,14 @@ case "$STAGE" in
       --server-args='-ngl 99 -fa on' --context 512 --turns 3 -n 400 "${BENCH_COMMON[@]}" \
       --proxy-variant 'defaults=' --time-budget-s 500 --work-dir /tmp/chat1 \
       -o "$OUT/h200-chat.json" | tail -25 || echo "chat FAILED"
+    df -h /tmp /dev/shm | tail -2
+    for place in /tmp/vcf /dev/shm/vcf; do  # slot files on the disk's page cache or tmpfs
+      name="$(basename "$(dirname "$place")")"
+      taskset -c 0-7 python3 -m proxy.cli verify-cost --target /tmp/m14/target.gguf \
+        --variant 'base=-ngl 99 -fa on' --context 512,4k --parts f --repeats 4 --warmup 1 \
+        --work-dir "$place" -o "$OUT/h200-verify-cost-f-$name.json" | tail -4 \
+        || echo "verify-cost f $place FAILED"
+    done
     FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
       FORMULA_REAL_ONLY=1 taskset -c 0-7 bash scripts/h200_regime_run.sh formula \
       || echo "formula 4k FAILED"
