@@ -380,3 +380,41 @@ def test_a_cold_requests_slot_fill_is_charged_to_speculation_over_a_requests_len
     begin(no_fill, plain_ms_per_token=9.6)
     serve(no_fill, 128, fill_ms=0.0)
     assert not no_fill.plain_chosen
+
+
+def test_re_measuring_requests_come_no_oftener_than_their_loss_allows():
+    """H200, 14B f16, 400-token chat turns: a cold request's fill was ~460 ms and a turn
+    that re-measured lost 0.85 s, a fifth of it; at one request in five the chats ran
+    0.95x plain. The first re-measuring request after a switch waits until the fill is
+    PROBE_BUDGET of the plain time passed through; the next until the measured loss of
+    that re-measurement is."""
+    from proxy.policies.plain_runs import PASS_REQUESTS, PROBE_BUDGET
+
+    plain_ms, tokens, fill_ms = 9.2, 400, 460.0
+    gate = PlainRunGate("auto", run_tokens=16)
+    begin(gate, plain_ms_per_token=plain_ms)
+    gate.observe(replace(steady(30.0, 1), first=True, overhead_ms=fill_ms))
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=12.0)
+    gate.observe_request(tokens)
+    assert gate.plain_chosen
+    request_ms = plain_ms * tokens
+    passed = 0
+    while gate.pass_through():
+        passed += 1
+    assert passed > PASS_REQUESTS  # 4 would spend 3% of the plain time on the fill
+    assert passed * request_ms * PROBE_BUDGET >= fill_ms > (passed - 1) * request_ms * PROBE_BUDGET
+    first_wait = passed
+
+    # the re-measuring request: plain runs, then the probe, its catch-up copies dear
+    while gate.decide() == 16:
+        gate.observe(plain_run(16 * plain_ms, 16))
+    gate.observe(catch_up(1500.0, 3))
+    for _ in range(PROBE_SPEC_ROUNDS):
+        gate.observe(steady(3 * 12.0, 3))
+    assert gate.plain_chosen
+    lost = (1500.0 - 3 * plain_ms) + PROBE_SPEC_ROUNDS * 3 * (12.0 - plain_ms)
+    passed = 0
+    while gate.pass_through():
+        passed += 1
+    assert passed > 2 * first_wait  # more than the doubling: the loss decides
+    assert passed * request_ms * PROBE_BUDGET >= lost > (passed - 1) * request_ms * PROBE_BUDGET
