@@ -45,15 +45,12 @@ contexts copies cost seconds: a slot holds the whole context's KV).
 
 While plain runs are chosen, whole requests pass through to llama-server untouched
 (its own streaming, no per-run requests); every so many requests one is served by
-the engine again, which re-measures both sides. How many follows the same budget: the
-first after a switch waits until a request's measured slot fill is `PROBE_BUDGET` of
-the plain time passed, each later one until what the last re-measurement lost is.
+the engine again, which re-measures both sides.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from typing import TYPE_CHECKING, Literal
 
@@ -75,17 +72,12 @@ SPEC_WINDOW = 24
 HYSTERESIS = 0.05  # the other side must be this much cheaper per token to switch
 PROBE_SPEC_AFTER = 256  # plain-run tokens before speculation is first re-measured
 PROBE_SPEC_AFTER_MAX = 4096  # the interval doubles while re-measurements confirm plain
-# a re-measurement may cost this share of the plain time until the next (plain-run
-# tokens in a request, requests passed through): the defaults must hold 0.97x plain. On
-# the H200 (14B f16, 400-token chat turns) a turn that re-measured lost 0.85 s, a fifth
-# of it, and at one in five requests the cell ran 0.95x plain
-PROBE_BUDGET = 0.02
+PROBE_BUDGET = 0.05  # a re-measurement may cost this share of the plain time until the next
 PROBE_SPEC_AFTER_CAP = 65536  # the longest wait, however dear a re-measurement was
 PROBE_SPEC_ROUNDS = 4  # rounds of speculation each re-measurement runs
 PROBE_PLAIN_AFTER = 512  # committed speculative tokens between re-measured plain runs
 PASS_REQUESTS = 4  # requests passed through before one re-measures (while plain is chosen)
 PASS_REQUESTS_MAX = 64  # doubling while re-measurements confirm plain runs
-PASS_REQUESTS_CAP = 1024  # the most requests passed, however dear a re-measurement was
 BOUND_K_MAX = 16  # draft lengths the drafter-speed bound considers
 _COLD_ALPHA = 0.3  # weight of the newest request in the cold cost and the request length
 _DRAFT_ALPHA = 0.3  # weight of the newest drafter timing
@@ -232,10 +224,6 @@ class PlainRunGate:
             self.request_tokens = _ema(self.request_tokens, float(n_tokens), _COLD_ALPHA)
             if len(self._spec) >= MIN_SPEC_ROUNDS:
                 self._reconsider()
-            if self.plain_chosen:  # a re-measuring request pays at least the fill
-                self._pass_limit = max(
-                    self._pass_limit, self._requests_affordable(self.cold_ms or 0.0)
-                )
 
     def cold_ms_per_token(self) -> float:
         """A cold request's measured cost spread over a request's measured length (none
@@ -270,15 +258,14 @@ class PlainRunGate:
     def pass_through(self) -> bool:
         """Whether a new request should go to llama-server untouched: plain runs are
         chosen, and it is not the turn of a request that re-measures (one in
-        `PASS_REQUESTS`, doubling up to `PASS_REQUESTS_MAX` while plain stays chosen,
-        and never so often that what re-measuring lost passes `PROBE_BUDGET`)."""
+        `PASS_REQUESTS`, doubling up to `PASS_REQUESTS_MAX` while plain stays chosen)."""
         if not self.prefers_plain():
             return False
         if self._passed < self._pass_limit:
             self._passed += 1
             return True
         self._passed = 0
-        self._pass_limit = max(self._pass_limit, min(2 * self._pass_limit, PASS_REQUESTS_MAX))
+        self._pass_limit = min(2 * self._pass_limit, PASS_REQUESTS_MAX)
         return False
 
     def observe_drafter(self, ms_per_token: float) -> None:
@@ -317,9 +304,6 @@ class PlainRunGate:
             self._reconsider()
             if self.plain_chosen:
                 self._probe_spec_after = self._next_probe_wait()
-                self._pass_limit = max(
-                    self._pass_limit, self._requests_affordable(self._probe_loss_ms)
-                )
             return
         if len(self._spec) >= MIN_SPEC_ROUNDS:  # a plain run measured early waits for them
             self._reconsider()
@@ -344,16 +328,6 @@ class PlainRunGate:
             return doubled
         affordable = int(self._probe_loss_ms / (PROBE_BUDGET * plain))
         return min(max(doubled, affordable), PROBE_SPEC_AFTER_CAP)
-
-    def _requests_affordable(self, loss_ms: float) -> int:
-        """Requests to pass through before one re-measures, so that a re-measurement
-        losing `loss_ms` (its rounds beyond plain runs and the slot fill of a request
-        served here) costs at most PROBE_BUDGET of the plain time in between; 0 until a
-        request's length and the plain speed are measured."""
-        plain, tokens = self._plain.ms_per_token, self.request_tokens
-        if not plain or not tokens or loss_ms <= 0:
-            return 0
-        return min(math.ceil(loss_ms / (PROBE_BUDGET * plain * tokens)), PASS_REQUESTS_CAP)
 
     def _observe_run(self, run_ms: float, n_tokens: int, drafter_busy: bool = False) -> None:
         """A plain run of n_tokens (all it wrote, also past where the output stopped).
@@ -391,10 +365,7 @@ class PlainRunGate:
         self.plain_chosen = not self.plain_chosen
         self.switches += 1
         self._probe_spec_after = PROBE_SPEC_AFTER
-        # the first re-measuring request pays at least the measured slot fill (known
-        # once a request ended: `observe_request`)
-        self._passed = 0
-        self._pass_limit = max(PASS_REQUESTS, self._requests_affordable(self.cold_ms or 0.0))
+        self._passed, self._pass_limit = 0, PASS_REQUESTS
         log.info(
             "%s requests: %s: %s",
             self.name, why, "plain runs" if self.plain_chosen else "speculating again",
