@@ -54,6 +54,11 @@ COSTS_PARTS=(-k 1,2,3,4,6 --new-tokens 1,2,3,4,5,6,7,8,9,11,13,16,24,32,48,64
 VK_CELLS=(-n 128 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6 --repeats 1
   --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12
   --proxy-variant 'k3=--plain-runs off -k 3 --fixed-k' --proxy-variant 'spec=--plain-runs off')
+# the Strix Halo cells (with --regime, -n and any --turns): the seed's drafter, the
+# defaults (no near-tie branches: the emulated target writes its script and never flips)
+STRIX=(--context 512 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 4 --repeats 1
+  --ceiling-ks 1,2,3,4 --oracle-acceptance 0.8 --oracle-delay-ms 11 --oracle-branches 0
+  --proxy-variant 'defaults=')
 VK_DESCRIPTION="NVIDIA H200, Vulkan, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on"
 make_models() {  # the 14B-shape target in /tmp/m14, in the background (/tmp/models.done)
   setsid nohup bash -c "python3 -m proxy.cli make-models /tmp/m14 --target-shape qwen3-14b \
@@ -138,10 +143,8 @@ case "$STAGE" in
           # each branch is a plain 128-token request, 12 s on the 32B)
     install_sources
     for size in 32b 14b; do
-      npu bench --regime "strix-halo-vulkan-$size" --context 512 -n 128 \
-        --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 4 --repeats 1 \
-        --ceiling-ks 1,2,3,4 --oracle-acceptance 0.8 --oracle-delay-ms 11 --oracle-branches 0 \
-        --proxy-variant 'defaults=' --proxy-variant 'k2=--plain-runs off -k 2 --fixed-k' \
+      npu bench --regime "strix-halo-vulkan-$size" -n 128 "${STRIX[@]}" \
+        --proxy-variant 'k2=--plain-runs off -k 2 --fixed-k' \
         --proxy-variant 'spec=--plain-runs off' --time-budget-s 330 --work-dir "/tmp/strix-$size" \
         -o "$OUT/h200-host-strix-$size-single.json" > "/tmp/strix-$size.log" 2>&1 &
     done
@@ -290,9 +293,6 @@ case "$STAGE" in
     ;;
   s18)  # session 18's chain (see the list above)
     bash scripts/h200_regime_run.sh start
-    STRIX=(--context 512 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 4 --repeats 1
-      --ceiling-ks 1,2,3,4 --oracle-acceptance 0.8 --oracle-delay-ms 11 --oracle-branches 0
-      --proxy-variant 'defaults=')
     (
       taskset -c 8-11 python3 -m proxy.cli bench --regime strix-halo-vulkan-14b "${STRIX[@]}" \
         --turns 3 -n 400 --work-dir /tmp/s14c -o "$OUT/h200-host-strix-14b-chat.json" \

@@ -14,16 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from npu_draft.protocol import common_prefix_length
+from proxy.running_mean import running_mean
 from proxy.server.upstream import UpstreamClient, UpstreamClientError, UpstreamError
 
 log = logging.getLogger(__name__)
 
 _PASSING = (503, 504)  # UpstreamError statuses of a failure worth trying again later
 _RATE_ALPHA = 0.3  # weight of the newest measurement in the running rates
-
-
-def _running(old: float | None, new: float) -> float:
-    return new if old is None else old + _RATE_ALPHA * (new - old)
 
 
 class SlotReplicator:
@@ -61,7 +58,9 @@ class SlotReplicator:
     def observe_prefill(self, server_ms: float, n_tokens: int) -> None:
         """A one-slot prefill of `n_tokens` took `server_ms` inside the server."""
         if n_tokens >= self.min_prompt and server_ms > 0:
-            self.prefill_ms_per_token = _running(self.prefill_ms_per_token, server_ms / n_tokens)
+            self.prefill_ms_per_token = running_mean(
+                self.prefill_ms_per_token, server_ms / n_tokens, _RATE_ALPHA
+            )
 
     def reuse_pays(self, gap: int, copies: int, n_context: int) -> bool:
         """Whether restoring a file saved `gap` tokens ago, and letting `copies` slots
@@ -118,7 +117,9 @@ class SlotReplicator:
         n_saved = answer.get("n_saved")
         save_ms = (answer.get("timings") or {}).get("save_ms")
         if isinstance(n_saved, int) and n_saved >= self.min_prompt and save_ms is not None:
-            self.save_ms_per_token = _running(self.save_ms_per_token, float(save_ms) / n_saved)
+            self.save_ms_per_token = running_mean(
+                self.save_ms_per_token, float(save_ms) / n_saved, _RATE_ALPHA
+            )
 
     async def clear_stale(self, prompt: Sequence[int]) -> list[int]:
         """Before a generation's first prefill: empty the idle slots holding copies that

@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from proxy.running_mean import running_mean
+
 if TYPE_CHECKING:
     from proxy.data.records import RoundRecord
 
@@ -78,7 +80,7 @@ _CEILING_Z = 1.0
 
 
 def _ema(old: float | None, new: float, alpha: float = _ALPHA) -> float:
-    return new if old is None else old + alpha * (new - old)
+    return running_mean(old, new, alpha)
 
 
 class DraftLengthPolicy:

@@ -54,7 +54,7 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Literal
 
-from proxy.policies.draft_length import _ema
+from proxy.running_mean import running_mean
 
 if TYPE_CHECKING:
     from proxy.data.records import RoundRecord
@@ -215,13 +215,13 @@ class PlainRunGate:
         elif record.catch_up and self._cold_pending is not None:
             self._cold_pending += record.overhead_ms
         elif not exploring and self._cold_pending is not None:
-            self.cold_ms = _ema(self.cold_ms, self._cold_pending, _COLD_ALPHA)
+            self.cold_ms = running_mean(self.cold_ms, self._cold_pending, _COLD_ALPHA)
             self._cold_pending = None
 
     def observe_request(self, n_tokens: int) -> None:
         """A request served by the engine ended after writing `n_tokens`."""
         if n_tokens > 0:
-            self.request_tokens = _ema(self.request_tokens, float(n_tokens), _COLD_ALPHA)
+            self.request_tokens = running_mean(self.request_tokens, float(n_tokens), _COLD_ALPHA)
             if len(self._spec) >= MIN_SPEC_ROUNDS:
                 self._reconsider()
 
@@ -273,7 +273,7 @@ class PlainRunGate:
         from a draft timed beside a plain run."""
         if ms_per_token <= 0:
             return
-        self.draft_ms = _ema(self.draft_ms, ms_per_token, _DRAFT_ALPHA)
+        self.draft_ms = running_mean(self.draft_ms, ms_per_token, _DRAFT_ALPHA)
         if self._spec_probe_left > 0 and self.hopeless():
             self._spec_probe_left = 0  # no need to finish a re-measurement that cannot win
             self._probe_spec_after = self._next_probe_wait()
