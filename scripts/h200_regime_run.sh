@@ -38,6 +38,10 @@
 #           2 repeats) on cores 0-7, and emulations on 8-15 (the Strix Halo 14B chats and
 #           single turns, the 32B single turns, the committed Vulkan file's cells, the
 #           committed CUDA file's 512 cells and chats)
+#   s19     start; then, side by side: the real CUDA cells with the defaults (3-turn chats
+#           of 4 prompts; 512 and 4k single turns over all 8 prompts; always speculating at
+#           512, every run checked exactly) on cores 0-7, and on 8-15 the same chats on the
+#           committed CUDA file and the Strix Halo 14B chats
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -334,6 +338,42 @@ case "$STAGE" in
     FORMULA_CONTEXT=4k FORMULA_NOREUSE=0 FORMULA_DEFAULTS=1 FORMULA_X=0.12 FORMULA_REPEATS=2 \
       FORMULA_REAL_ONLY=1 taskset -c 0-7 bash scripts/h200_regime_run.sh formula \
       || echo "formula 4k FAILED"
+    wait
+    cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
+    ;;
+  s19)  # session 19's chain (see the list above): the drafts checked beside plain runs
+    bash scripts/h200_regime_run.sh start
+    ALL8=edit-rename,edit-bugfix,gen-lru,gen-cli,sum-incident,sum-paper,chat-travel,chat-explain
+    CHAT4=(--context 512 --turns 3 -n 400 --prompt-ids gen-lru,chat-travel,gen-cli,chat-explain
+      --modes plain,oracle -k 6 --repeats 1 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77
+      --oracle-delay-steps 0.12 --proxy-variant 'defaults=')
+    (
+      taskset -c 8-11 python3 -m proxy.cli bench --regime h200-cuda-14b-f16 "${CHAT4[@]}" \
+        --work-dir /tmp/chat2 -o "$OUT/h200-host-chat4-emulated.json" | tail -25 \
+        || echo "chat emulated FAILED"
+    ) > /tmp/emu-a.log 2>&1 &
+    (
+      taskset -c 12-15 python3 -m proxy.cli bench --regime strix-halo-vulkan-14b "${STRIX[@]}" \
+        --turns 3 -n 400 --work-dir /tmp/s14c -o "$OUT/h200-host-strix-14b-chat.json" \
+        | tail -12 || echo "strix 14b chat FAILED"
+    ) > /tmp/emu-b.log 2>&1 &
+    taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+      --server-args='-ngl 99 -fa on' "${CHAT4[@]}" --work-dir /tmp/chat1 \
+      -o "$OUT/h200-chat4.json" | tail -25 || echo "chat FAILED"
+    for ctx in 512 4k; do
+      taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+        --server-args='-ngl 99 -fa on' --context "$ctx" -n 128 --prompt-ids "$ALL8" \
+        --modes plain,oracle -k 6 --repeats 1 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
+        --oracle-delay-steps 0.12 --proxy-variant 'defaults=' --exact-check all \
+        --work-dir "/tmp/single-$ctx" -o "$OUT/h200-single8-$ctx.json" | tail -25 \
+        || echo "single $ctx FAILED"
+    done
+    taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+      --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru \
+      --modes plain,oracle -k 6 --repeats 2 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
+      --oracle-delay-steps 0.12 --proxy-variant 'spec=--plain-runs off' --exact-check all \
+      --work-dir /tmp/exact -o "$OUT/h200-spec-exact-gen-lru.json" | tail -25 \
+      || echo "exact FAILED"
     wait
     cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
     ;;

@@ -172,12 +172,9 @@ class Proposer:
         it is done, also after this generation has ended."""
         if k <= 0 or self.drafter is None or self._timing is not None:
             return
-        task = asyncio.create_task(self._draft_greedy(committed, k))
-        started = time.perf_counter()
-        self._timing_span = (started, None)
+        task = self._draft_beside(committed, k)
 
         def done(task: asyncio.Task[DraftOutcome]) -> None:
-            self._timing_span = (started, time.perf_counter())
             if task.cancelled() or task.exception() is not None:
                 return
             draft, _dists, waited_ms = task.result()
@@ -187,7 +184,31 @@ class Proposer:
                 report(waited_ms / len(draft.tokens))
 
         task.add_done_callback(done)
+
+    def shadow_draft(self, committed: list[int], k: int) -> asyncio.Task[DraftOutcome] | None:
+        """A greedy draft of at most k tokens after `committed`, in the background
+        beside a plain run, to be checked against the run's tokens (the plain-run gate's
+        shadow checks); None where none can start: no drafter, a sampling request, or a
+        background draft still running."""
+        if k <= 0 or self.drafter is None or self.sampled is not None:
+            return None
+        if self._timing is not None and not self._timing.done():
+            return None
+        return self._draft_beside(committed, k)
+
+    def _draft_beside(self, committed: list[int], k: int) -> asyncio.Task[DraftOutcome]:
+        """Draft in the background while the server decodes alone; the next draft of
+        this generation waits for it (`_end_timing`), and `busy_since` sees it."""
+        task = asyncio.create_task(self._draft_greedy(committed, k))
+        started = time.perf_counter()
+        self._timing_span = (started, None)
+
+        def ended(_task: asyncio.Task[DraftOutcome]) -> None:
+            self._timing_span = (started, time.perf_counter())
+
+        task.add_done_callback(ended)
         self._timing = task
+        return task
 
     def busy_since(self, start: float) -> bool:
         """Whether the drafter did real work in the background after `start`

@@ -15,7 +15,7 @@ from proxy.engine.background import BackgroundTasks
 from proxy.engine.decode_check import DecodeCounter
 from proxy.engine.drafting import GreedyDraft
 from proxy.engine.loop_state import LoopState
-from proxy.engine.proposer import Proposer
+from proxy.engine.proposer import DraftOutcome, Proposer
 from proxy.engine.rules import Rule
 from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.engine.slot_copies import FirstRound, SlotCopies
@@ -94,12 +94,17 @@ class Rounds:
         loop.awaiting_overlap = None
         await self.proposer.stop_ahead()  # its line would be stale after the run
         context = self.prompt + loop.text.tokens
+        shadow = None
         if self.policies.wants_drafter_speed():
             # the drafter is idle while the server decodes alone: time it now
             self.proposer.time_drafter(context, self.k_max, self.policies.observe_drafter_speed)
+        elif self.policies.wants_shadow_draft():
+            shadow = self.proposer.shadow_draft(context, min(self.k_max, n))
         sent = time.perf_counter()
         run = await self.rule.plain_run(self.upstream, context, n)
         back = time.perf_counter()
+        if shadow is not None:
+            self._check_shadow(shadow, run.tokens)
         run_ms = (back - sent) * 1e3
         events = await self._run_events(loop, run)
         overhead_ms = (time.perf_counter() - sent) * 1e3 - run_ms
@@ -132,6 +137,24 @@ class Rounds:
         )
         self._close_round(loop, record)
         loop.after_run = True
+
+    def _check_shadow(self, shadow: asyncio.Task[DraftOutcome], tokens: list[int]) -> None:
+        """A draft made beside a plain run, against the run's tokens: how many of its
+        first tokens a round would have accepted (greedy: equal to the server's own),
+        and whether one then differed. Judged when the draft is done: the run's tokens
+        are not held for it (a drafter's first draft of a request takes in the whole
+        context first)."""
+
+        def judge(task: asyncio.Task[DraftOutcome]) -> None:
+            if task.cancelled() or task.exception() is not None:
+                return
+            drafted = task.result()[0].tokens
+            judged = min(len(drafted), len(tokens))
+            if judged:
+                accepted = next((i for i in range(judged) if drafted[i] != tokens[i]), judged)
+                self.policies.observe_shadow_draft(accepted, accepted < judged)
+
+        shadow.add_done_callback(judge)
 
     async def _run_events(self, loop: LoopState, run: PlainRun) -> list[TokenEvent]:
         """The run's tokens through the server-text mirror, up to where the text ends."""

@@ -71,6 +71,21 @@ class Policies:
         """The gate waits for the drafter's speed (timed beside a plain run)."""
         return self.plain_runs is not None and self.plain_runs.wants_drafter_speed()
 
+    def wants_shadow_draft(self) -> bool:
+        """The next plain run should have a draft beside it, checked against the run's
+        tokens (`PlainRunGate.wants_shadow`; not while other streams share the slots:
+        the gate compares rates alone)."""
+        return (
+            self.plain_runs is not None
+            and self.plain_runs.wants_shadow()
+            and (self.slots is None or self.slots.alone())
+        )
+
+    def observe_shadow_draft(self, n_accepted: int, rejected: bool) -> None:
+        """A draft beside a plain run: its first `n_accepted` tokens were the run's."""
+        if self.plain_runs is not None:
+            self.plain_runs.observe_shadow(n_accepted, rejected)
+
     def observe_drafter_speed(self, ms_per_token: float) -> None:
         """The drafter's own ms per drafted token, timed beside a plain run."""
         if self.plain_runs is not None:
@@ -130,11 +145,14 @@ class SharedPolicies:
         overlap: OverlapMode = "auto",
         plain_runs: RunMode = "off",
     ) -> SharedPolicies:
-        """Policies that nothing was measured for yet."""
+        """Policies that nothing was measured for yet. Only the greedy gate checks
+        drafts beside plain runs: a sampled run's tokens are draws, not what a round
+        would have accepted."""
+        lengths = DraftLengthPolicy(k_max, adaptive, draft_length)
         return cls(
-            DraftLengthPolicy(k_max, adaptive, draft_length),
+            lengths,
             OverlapPolicy(overlap),
-            PlainRunGate(plain_runs),
+            PlainRunGate(plain_runs, speedup=lengths.speedup_at),
             PlainRunGate(plain_runs, name="unseeded sampling"),
         )
 

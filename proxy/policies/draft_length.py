@@ -252,7 +252,7 @@ class DraftLengthPolicy:
             return None
         return self._successes / max(self._successes + self._failures, 1e-9)
 
-    def round_ms_model(self, k: int, ahead: bool) -> float:
+    def round_ms_model(self, k: int, ahead: bool, a: float | None = None) -> float:
         """Expected time of a round of k drafts (the cost model, proxy/bench/costmodel.py):
 
             verify(k) + proxy + (1 - a^(k+1)) (t_resync + k t_d)            ahead
@@ -260,8 +260,8 @@ class DraftLengthPolicy:
 
         Drafting ahead hides the next block when all k drafts and the bonus guess
         are accepted (chance a^(k+1)); then only what drafting k+1 tokens takes
-        beyond the verification is paid."""
-        a = self.acceptance_rate() or 0.0
+        beyond the verification is paid. `a`: the measured acceptance unless given."""
+        a = (self.acceptance_rate() if a is None else a) or 0.0
         t_d = self.token_ms or 0.0
         fixed = self.verify_ms_at(k) + (self.proxy_ms or 0.0)
         fresh = max((self.resync_ms or 0.0) + k * t_d, 0.0)  # what a miss leaves unhidden
@@ -276,6 +276,27 @@ class DraftLengthPolicy:
         the measured acceptance unless given)."""
         a = min((self.acceptance_rate() if a is None else a) or 0.0, 0.999)
         return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def speedup_at(self, a: float) -> float | None:
+        """How many times faster a token of speculation would come at per-draft
+        acceptance `a` than at the acceptance the rounds measured, on the cost model
+        with the verify times and drafter speed measured so far (best k for each, as
+        the rounds drafted ahead or not); None before a round measured them. The
+        plain-run gate scales its measured speculation rate by it to judge an
+        acceptance seen beside plain runs (`PlainRunGate.observe_shadow`)."""
+        measured = self.acceptance_rate()
+        if measured is None or not self._by_length:
+            return None
+        ahead = self._best_ahead
+
+        def rate(acceptance: float) -> float:
+            return max(
+                self.expected_tokens(k, acceptance)
+                / max(self.round_ms_model(k, ahead, acceptance), 1e-6)
+                for k in range(1, self.k_max + 1)
+            )
+
+        return rate(a) / max(rate(measured), 1e-12)
 
     def optimistic_acceptance(self) -> float | None:
         """The measured acceptance taken high (its Wilson bound `_CEILING_Z` standard

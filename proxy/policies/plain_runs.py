@@ -46,12 +46,27 @@ contexts copies cost seconds: a slot holds the whole context's KV).
 While plain runs are chosen, whole requests pass through to llama-server untouched
 (its own streaming, no per-run requests); every so many requests one is served by
 the engine again, which re-measures both sides.
+
+A re-measurement that only confirms plain runs is pure loss, and a dear one: on the
+H200 (14B f16) a chat's third turn paid 463 ms of slot copies at 1,357 tokens and ran
+0.82x plain, which held the whole chat at 0.95x (docs/BENCHMARKS.md). What can make
+speculation win where it lost is mostly the drafter's acceptance (another prompt,
+another kind of text), and that is measured for free beside plain runs: in the last
+`SHADOW_RUNS` runs before a re-measurement is due, the drafter drafts beside each run
+(an otherwise idle NPU) and its draft is checked against the run's tokens, exactly as
+a round would have accepted it (greedy). The measured speculation rate, scaled by the
+cost model to that acceptance (`DraftLengthPolicy.speedup_at`), then decides: only
+where it now beats plain runs is speculation re-measured with real rounds; otherwise
+the re-measurement is skipped and the wait doubles as if it had confirmed plain runs.
+Every `SHADOW_SKIPS_MAX`-th due re-measurement is made anyway, since what the shadow
+check cannot see (a shorter context, a less busy server) also changes the rate.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 from proxy.running_mean import running_mean
@@ -79,6 +94,9 @@ PROBE_PLAIN_AFTER = 512  # committed speculative tokens between re-measured plai
 PASS_REQUESTS = 4  # requests passed through before one re-measures (while plain is chosen)
 PASS_REQUESTS_MAX = 64  # doubling while re-measurements confirm plain runs
 BOUND_K_MAX = 16  # draft lengths the drafter-speed bound considers
+SHADOW_RUNS = 8  # plain runs before a due re-measurement that the drafter drafts beside
+SHADOW_MIN_DRAFTS = 6  # drafts checked beside runs before the checks may skip a re-measurement
+SHADOW_SKIPS_MAX = 3  # re-measurements skipped in a row before one is made anyway
 _COLD_ALPHA = 0.3  # weight of the newest request in the cold cost and the request length
 _DRAFT_ALPHA = 0.3  # weight of the newest drafter timing
 
@@ -117,7 +135,13 @@ class PlainRunGate:
     after it (`observe`): what it cost. One gate per kind of request (greedy, unseeded
     sampling): their rounds cost differently."""
 
-    def __init__(self, mode: RunMode = "auto", run_tokens: int = 16, name: str = "greedy") -> None:
+    def __init__(
+        self,
+        mode: RunMode = "auto",
+        run_tokens: int = 16,
+        name: str = "greedy",
+        speedup: Callable[[float], float | None] | None = None,
+    ) -> None:
         if run_tokens < 1:
             raise ValueError("run_tokens must be >= 1")
         self.mode = mode
@@ -143,6 +167,17 @@ class PlainRunGate:
         self.cold_ms: float | None = None
         self._cold_pending: float | None = None
         self.request_tokens: float | None = None
+        # Shadow checks (greedy only): the speculation rate's factor at an acceptance
+        # (`DraftLengthPolicy.speedup_at`; None: no shadow checks), the accepted drafts,
+        # rejections and drafts seen beside the runs since the last due re-measurement,
+        # the re-measurements skipped in a row, and what the last check saw
+        self.speedup = speedup
+        self._shadow_accepted = 0
+        self._shadow_rejected = 0
+        self._shadow_drafts = 0
+        self._shadow_skips = 0
+        self.shadow_acceptance: float | None = None
+        self.shadow_skipped = 0  # re-measurements skipped, all told
 
     def decide(self) -> int:
         if self.mode == "off" or self._spec_probe_left > 0:
@@ -153,8 +188,11 @@ class PlainRunGate:
             return self.run_tokens
         if self.plain_chosen:
             if self._plain_tokens_since_probe >= self._probe_spec_after:
-                # re-measure speculation afresh: its old rounds may be long stale
                 self._plain_tokens_since_probe = 0
+                if self._shadow_says_plain():
+                    self._probe_spec_after = self._next_probe_wait()
+                    return self.run_tokens
+                # re-measure speculation afresh: its old rounds may be long stale
                 self._spec.clear()
                 self._spec_probe_left = PROBE_SPEC_ROUNDS
                 self._probe_loss_ms = 0.0
@@ -167,6 +205,64 @@ class PlainRunGate:
     def prefers_plain(self) -> bool:
         """Plain runs are the measured choice right now."""
         return self.mode != "off" and self.plain_chosen
+
+    def wants_shadow(self) -> bool:
+        """The next plain run should have a draft beside it, checked against its tokens:
+        a re-measurement is due within `SHADOW_RUNS` runs and there is a measured
+        speculation rate to scale."""
+        return (
+            self.speedup is not None
+            and self.prefers_plain()
+            and self._spec_probe_left == 0
+            and self._spec.ms_per_token is not None
+            and self._plain_tokens_since_probe + SHADOW_RUNS * self.run_tokens
+            >= self._probe_spec_after
+        )
+
+    def observe_shadow(self, n_accepted: int, rejected: bool) -> None:
+        """A draft beside a plain run had its first `n_accepted` tokens equal to the
+        run's, and then one that differed (`rejected`) or none left to compare."""
+        self._shadow_accepted += n_accepted
+        self._shadow_rejected += int(rejected)
+        self._shadow_drafts += 1
+
+    def _shadow_says_plain(self) -> bool:
+        """At a due re-measurement: whether the shadow checks since the last one predict
+        that speculation still loses (the re-measurement is then skipped). Too few
+        drafts checked, no rate to scale, or `SHADOW_SKIPS_MAX` skips in a row:
+        re-measure."""
+        accepted, rejected, drafts = (
+            self._shadow_accepted, self._shadow_rejected, self._shadow_drafts
+        )  # fmt: skip
+        self._shadow_accepted = self._shadow_rejected = self._shadow_drafts = 0
+        spec, plain = self._spec.ms_per_token, self._plain.ms_per_token
+        if (
+            self.speedup is None or spec is None or plain is None
+            or drafts < SHADOW_MIN_DRAFTS or not accepted + rejected
+            or self._shadow_skips >= SHADOW_SKIPS_MAX
+        ):  # fmt: skip
+            self._shadow_skips = 0
+            return False
+        self.shadow_acceptance = a = accepted / (accepted + rejected)
+        factor = self.speedup(a)
+        if factor is None or factor <= 0:
+            self._shadow_skips = 0
+            return False
+        predicted = spec / factor + self.cold_ms_per_token()
+        if predicted < plain * (1 - HYSTERESIS):
+            log.info(
+                "%s requests: drafts beside plain runs accepted %.2f: speculating would take "
+                "%.1f ms/token vs plain %.1f; re-measuring it", self.name, a, predicted, plain,
+            )  # fmt: skip
+            self._shadow_skips = 0
+            return False
+        self._shadow_skips += 1
+        self.shadow_skipped += 1
+        log.info(
+            "%s requests: drafts beside plain runs accepted %.2f: speculating would take "
+            "%.1f ms/token vs plain %.1f; re-measurement skipped", self.name, a, predicted, plain,
+        )  # fmt: skip
+        return True
 
     def measuring_first(self) -> bool:
         """Nothing is known yet that could justify speculating: no plain run measured,
@@ -382,4 +478,6 @@ class PlainRunGate:
             "hopeless": self.hopeless(),
             "cold_ms": self.cold_ms,
             "request_tokens": self.request_tokens,
+            "shadow_acceptance": self.shadow_acceptance,
+            "shadow_skipped": self.shadow_skipped,
         }

@@ -421,6 +421,25 @@ def test_a_fast_drafter_that_drafts_ahead_is_not_held_at_one_draft():
     assert (slower.length(ahead=True), slower.length(ahead=False)) == (2, 1)
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_speedup_at_an_acceptance_is_the_cost_models_best_rate_against_the_measured(ahead):
+    """What the plain-run gate scales its measured speculation rate by: max over k of
+    E(k, a) / T(k, a), against the same at the measured acceptance."""
+    policy = formula_policy(H200_512, 0.5, 2.0, 0.3)
+    assert DraftLengthPolicy(6).speedup_at(0.9) is None  # nothing measured
+    policy.best_length(ahead)  # the rounds' mode of drafting, as the engine asks
+
+    def best_rate(a: float) -> float:
+        k = brute_force_k(H200_512, a, 2.0, 0.3, ahead)
+        e = (1 - a ** (k + 1)) / (1 - a)
+        return e / policy.round_ms_model(k, ahead, a)
+
+    assert policy.speedup_at(0.5) == pytest.approx(1.0)
+    assert policy.speedup_at(0.9) == pytest.approx(best_rate(0.9) / best_rate(0.5))
+    assert policy.speedup_at(0.9) > 1.5 and policy.speedup_at(0.2) < 1.0
+    assert policy.acceptance_rate() == pytest.approx(0.5)  # asking changes nothing
+
+
 def test_formula_waits_for_measurements_and_respects_fixed_k():
     policy = DraftLengthPolicy(6)
     assert policy.length(True) == 6

@@ -10,7 +10,7 @@ import pytest
 
 from proxy.engine import EngineSettings, GenerationParams, RoundRecord, SlotReplicator
 from proxy.policies import PlainRunGate
-from proxy.policies.plain_runs import PASS_REQUESTS
+from proxy.policies.plain_runs import MIN_SPEC_ROUNDS, PASS_REQUESTS, SHADOW_RUNS
 from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import run_proxy
 from tests.proxy.helpers import assert_greedy_equal, generate, post_json, tokenize, with_gate
@@ -296,3 +296,51 @@ async def test_a_pass_through_alone_leaves_only_its_own_context_in_the_slots(spe
             await proxy.state.background.wait()
             again = [s for s in await upstream.slots() if s.get("n_prompt_tokens", 0) > 0]
     assert [s["id"] for s in again] == [last["id"]]  # kept, and found by the server
+
+
+@pytest.mark.parametrize(("draft", "re_measured"), [("same", True), ("unrelated", False)])
+async def test_drafts_beside_plain_runs_decide_whether_speculation_is_re_measured(
+    spec_server, drafter_for, http, ref_server, draft, re_measured
+):
+    """Plain runs were chosen (speculation measured at 20 ms a token, one draft in four
+    accepted, against plain's 10). In the runs before the next re-measurement is due the
+    drafter drafts beside each run and its draft is checked against the run's tokens:
+    a draft that writes what the target writes predicts speculation winning, and real
+    rounds re-measure it; an unrelated one predicts a loss, and the re-measurement (its
+    slot copies, its rounds) is skipped. The output is the server's either way."""
+    prompt = await tokenize(http, ref_server, "The history of the printing press")
+    n_predict = 1 + (SHADOW_RUNS + 2) * 16
+    expected = await post_json(
+        http,
+        ref_server + "/completion",
+        {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "return_tokens": True},
+    )
+    settings = EngineSettings(k=3, plain_runs="auto")
+    shared = settings.policies()
+    gate = shared.plain_runs
+    plain = RoundRecord(0, 0, 16, 0.0, 160.0, 0.0, plain_run=True, n_run_tokens=16)
+    gate.observe(plain)
+    gate.observe_drafter(1.0)
+    for _ in range(MIN_SPEC_ROUNDS):  # k = 3, one accepted: 2 tokens in 40 ms
+        spec = RoundRecord(3, 1, 2, 1.0, 38.0, 1.0, round_ms=40.0, draft_probs=[0.5] * 3)
+        shared.draft_length.observe(spec)
+        gate.observe(spec)
+    assert gate.plain_chosen
+    while not gate.wants_shadow():  # plain runs until the checks are due
+        assert gate.decide() == 16
+        gate.observe(plain)
+    async with UpstreamClient(spec_server) as upstream:
+        tokens, result = await generate(
+            upstream, prompt, GenerationParams(n_predict=n_predict),
+            drafter_for(f"reference:{draft}")(), settings=settings,
+            policies=shared.for_request(None),
+        )  # fmt: skip
+    await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
+    rounds = [r for r in result.rounds[1:] if not r.plain_run]
+    assert gate.shadow_acceptance is not None
+    if re_measured:
+        assert gate.shadow_acceptance > 0.9 and gate.shadow_skipped == 0
+        assert rounds and rounds[0].n_drafted > 0  # real rounds after the runs
+    else:
+        assert gate.shadow_acceptance < 0.3 and gate.shadow_skipped == 1
+        assert not rounds  # plain runs to the end

@@ -380,3 +380,87 @@ def test_a_cold_requests_slot_fill_is_charged_to_speculation_over_a_requests_len
     begin(no_fill, plain_ms_per_token=9.6)
     serve(no_fill, 128, fill_ms=0.0)
     assert not no_fill.plain_chosen
+
+
+def shadow_gate(speedup_of_a: float | None, draft: tuple[int, bool] | None) -> PlainRunGate:
+    """A gate that chose plain runs (speculation 20 ms a token, plain 10), whose shadow
+    checks each see `draft` (accepted, rejected; None: no draft is done in time) and
+    whose cost model scales speculation by `speedup_of_a` at any acceptance (None: no
+    model)."""
+    from proxy.policies.plain_runs import SHADOW_RUNS
+
+    gate = PlainRunGate(
+        "auto", run_tokens=16, speedup=(lambda a: speedup_of_a) if speedup_of_a else None
+    )
+    gate._test_shadow = draft  # type: ignore[attr-defined]
+    begin(gate, plain_ms_per_token=10.0)
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=20.0)
+    assert gate.plain_chosen and SHADOW_RUNS * 16 < PROBE_SPEC_AFTER
+    return gate
+
+
+def run_to_due(gate: PlainRunGate) -> int:
+    """Plain runs until `decide` starts a re-measurement (0) or a re-measurement was
+    skipped; each shadowed run's draft as the gate was told. Returns the runs shadowed."""
+    shadowed = 0
+    skipped = gate.shadow_skipped
+    while gate.decide() == gate.run_tokens:
+        if gate.shadow_skipped > skipped:
+            return shadowed
+        if gate.wants_shadow():
+            shadowed += 1
+            draft = gate._test_shadow  # type: ignore[attr-defined]
+            if draft is not None:
+                gate.observe_shadow(*draft)
+        gate.observe(plain_run(gate.run_tokens * 10.0, gate.run_tokens))
+    return shadowed
+
+
+def test_drafts_beside_plain_runs_that_predict_a_loss_skip_the_re_measurement():
+    """The drafts beside the last runs before a due re-measurement accept 1 in 4:
+    speculation, 20 ms a token when measured, would be no faster now (factor 1): the
+    re-measurement is skipped, with its copies, and the wait doubles."""
+    from proxy.policies.plain_runs import SHADOW_RUNS
+
+    gate = shadow_gate(1.0, (1, True))
+    assert not gate.wants_shadow()  # not before the last SHADOW_RUNS runs
+    assert run_to_due(gate) == SHADOW_RUNS
+    assert gate.shadow_skipped == 1 and gate.shadow_acceptance == pytest.approx(0.5)
+    assert gate.plain_chosen and gate._spec_probe_left == 0
+    assert gate.snapshot()["probe_spec_after"] == 2 * PROBE_SPEC_AFTER
+
+
+def test_drafts_beside_plain_runs_that_predict_a_win_re_measure_speculation():
+    """Same, but the cost model says speculation is 2.5x faster at what the drafts beside
+    the runs accepted (20 / 2.5 = 8 ms a token against plain's 10): real rounds
+    re-measure it."""
+    gate = shadow_gate(2.5, (3, False))
+    run_to_due(gate)
+    assert gate.shadow_skipped == 0 and gate.shadow_acceptance == pytest.approx(1.0)
+    assert gate._spec_probe_left == PROBE_SPEC_ROUNDS
+
+
+@pytest.mark.parametrize(
+    ("speedup", "draft"),
+    [(None, (1, True)), (1.0, None)],
+    ids=["no-cost-model", "no-draft-checked"],
+)
+def test_without_a_judgeable_shadow_check_speculation_is_re_measured(speedup, draft):
+    gate = shadow_gate(speedup, draft)
+    run_to_due(gate)
+    assert gate.shadow_skipped == 0
+    assert gate._spec_probe_left == PROBE_SPEC_ROUNDS
+
+
+def test_every_few_skipped_re_measurements_one_is_made_anyway():
+    """A shorter context or a less busy server changes speculation's rate where the
+    drafts' acceptance does not: after SHADOW_SKIPS_MAX skips in a row, real rounds."""
+    from proxy.policies.plain_runs import SHADOW_SKIPS_MAX
+
+    gate = shadow_gate(1.0, (1, True))
+    for skipped in range(1, SHADOW_SKIPS_MAX + 1):
+        run_to_due(gate)
+        assert gate.shadow_skipped == skipped and gate._spec_probe_left == 0
+    run_to_due(gate)
+    assert gate.shadow_skipped == SHADOW_SKIPS_MAX
+    assert gate._spec_probe_left == PROBE_SPEC_ROUNDS
