@@ -49,7 +49,7 @@ the engine again, which re-measures both sides.
 
 A re-measurement that only confirms plain runs is pure loss, and a dear one: on the
 H200 (14B f16) a chat's third turn paid 463 ms of slot copies at 1,357 tokens and ran
-0.82x plain, which held the whole chat at 0.95x (docs/BENCHMARKS.md). What can make
+0.81x plain, which held the whole chat at 0.95x (docs/BENCHMARKS.md). What can make
 speculation win where it lost is mostly the drafter's acceptance (another prompt,
 another kind of text), and that is measured for free beside plain runs: in the last
 `SHADOW_RUNS` runs before a re-measurement is due, the drafter drafts beside each run
@@ -58,8 +58,8 @@ a round would have accepted it (greedy). The measured speculation rate, scaled b
 cost model to that acceptance (`DraftLengthPolicy.speedup_at`), then decides: only
 where it now beats plain runs is speculation re-measured with real rounds; otherwise
 the re-measurement is skipped and the wait doubles as if it had confirmed plain runs.
-Every `SHADOW_SKIPS_MAX`-th due re-measurement is made anyway, since what the shadow
-check cannot see (a shorter context, a less busy server) also changes the rate.
+After `SHADOW_SKIPS_MAX` skips in a row the next one is made anyway: what the shadow
+checks cannot see (a shorter context, a less busy server) changes the rate too.
 """
 
 from __future__ import annotations
@@ -211,12 +211,19 @@ class PlainRunGate:
         a re-measurement is due within `SHADOW_RUNS` runs and there is a measured
         speculation rate to scale."""
         return (
+            self._can_shadow()
+            and self._plain_tokens_since_probe + SHADOW_RUNS * self.run_tokens
+            >= self._probe_spec_after
+        )
+
+    def _can_shadow(self) -> bool:
+        """Shadow checks can judge a due re-measurement: greedy, plain runs chosen, no
+        re-measurement running, and a measured speculation rate to scale."""
+        return (
             self.speedup is not None
             and self.prefers_plain()
             and self._spec_probe_left == 0
             and self._spec.ms_per_token is not None
-            and self._plain_tokens_since_probe + SHADOW_RUNS * self.run_tokens
-            >= self._probe_spec_after
         )
 
     def observe_shadow(self, n_accepted: int, rejected: bool) -> None:
@@ -362,6 +369,14 @@ class PlainRunGate:
             return True
         self._passed = 0
         self._pass_limit = min(2 * self._pass_limit, PASS_REQUESTS_MAX)
+        if self._can_shadow():
+            # the request served to re-measure does so: its first runs are the shadow
+            # checks, then the due re-measurement (made or skipped). Passed-through
+            # requests write no plain-run tokens, so by the token count alone it came
+            # only where a served request happened to reach it (emulated H200 chats: a
+            # served turn of 399 plain-run tokens that re-measured nothing)
+            due = self._probe_spec_after - SHADOW_RUNS * self.run_tokens
+            self._plain_tokens_since_probe = max(self._plain_tokens_since_probe, due)
         return False
 
     def observe_drafter(self, ms_per_token: float) -> None:

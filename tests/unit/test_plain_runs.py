@@ -464,3 +464,19 @@ def test_every_few_skipped_re_measurements_one_is_made_anyway():
     run_to_due(gate)
     assert gate.shadow_skipped == SHADOW_SKIPS_MAX
     assert gate._spec_probe_left == PROBE_SPEC_ROUNDS
+
+
+def test_a_request_served_to_re_measure_starts_with_the_shadow_checks():
+    """Passed-through requests write no plain-run tokens: a request served to re-measure
+    is made to reach the due re-measurement after its shadow checks, not by chance."""
+    from proxy.policies.plain_runs import PASS_REQUESTS, SHADOW_RUNS
+
+    gate = shadow_gate(1.0, (1, True))
+    assert not gate.wants_shadow()
+    assert all(gate.pass_through() for _ in range(PASS_REQUESTS))
+    assert not gate.pass_through()  # served: its runs are the checks
+    assert gate.wants_shadow()
+    assert run_to_due(gate) == SHADOW_RUNS and gate.shadow_skipped == 1
+    without_model = shadow_gate(None, (1, True))  # nothing to judge by: as before
+    assert all(without_model.pass_through() for _ in range(PASS_REQUESTS))
+    assert not without_model.pass_through() and not without_model.wants_shadow()
