@@ -189,10 +189,12 @@ class Proposer:
         """A greedy draft of at most k tokens after `committed`, in the background
         beside a plain run, to be checked against the run's tokens (the plain-run gate's
         shadow checks); None where none can start: no drafter, a sampling request, or a
-        background draft still running."""
+        draft still running (one draft at a time on the session)."""
         if k <= 0 or self.drafter is None or self.sampled is not None:
             return None
         if self._timing is not None and not self._timing.done():
+            return None
+        if self._prepared is not None and not self._prepared.task.done():
             return None
         return self._draft_beside(committed, k)
 

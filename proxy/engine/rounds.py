@@ -99,7 +99,10 @@ class Rounds:
             # the drafter is idle while the server decodes alone: time it now
             self.proposer.time_drafter(context, self.k_max, self.policies.observe_drafter_speed)
         elif self.policies.wants_shadow_draft():
-            shadow = self.proposer.shadow_draft(context, min(self.k_max, n))
+            # at the length the rounds would draft: what a round would have accepted
+            ahead = self.proposer.can_draft_ahead
+            k = min(self.k_max, n, self.policies.draft_length.length(ahead))
+            shadow = self.proposer.shadow_draft(context, k)
         sent = time.perf_counter()
         run = await self.rule.plain_run(self.upstream, context, n)
         back = time.perf_counter()
@@ -145,6 +148,8 @@ class Rounds:
         are not held for it (a drafter's first draft of a request takes in the whole
         context first)."""
 
+        window = self.policies.shadow_window()
+
         def judge(task: asyncio.Task[DraftOutcome]) -> None:
             if task.cancelled() or task.exception() is not None:
                 return
@@ -152,7 +157,7 @@ class Rounds:
             judged = min(len(drafted), len(tokens))
             if judged:
                 accepted = next((i for i in range(judged) if drafted[i] != tokens[i]), judged)
-                self.policies.observe_shadow_draft(accepted, accepted < judged)
+                self.policies.observe_shadow_draft(accepted, accepted < judged, window)
 
         shadow.add_done_callback(judge)
 

@@ -81,10 +81,15 @@ class Policies:
             and (self.slots is None or self.slots.alone())
         )
 
-    def observe_shadow_draft(self, n_accepted: int, rejected: bool) -> None:
-        """A draft beside a plain run: its first `n_accepted` tokens were the run's."""
+    def shadow_window(self) -> int:
+        """Which due re-measurement a draft started now is checked for."""
+        return self.plain_runs.shadow_window if self.plain_runs is not None else 0
+
+    def observe_shadow_draft(self, n_accepted: int, rejected: bool, window: int) -> None:
+        """A draft beside a plain run, started in `window`: its first `n_accepted`
+        tokens were the run's."""
         if self.plain_runs is not None:
-            self.plain_runs.observe_shadow(n_accepted, rejected)
+            self.plain_runs.observe_shadow(n_accepted, rejected, window)
 
     def observe_drafter_speed(self, ms_per_token: float) -> None:
         """The drafter's own ms per drafted token, timed beside a plain run."""
@@ -152,7 +157,7 @@ class SharedPolicies:
         return cls(
             lengths,
             OverlapPolicy(overlap),
-            PlainRunGate(plain_runs, speedup=lengths.speedup_at),
+            PlainRunGate(plain_runs, model=lengths),
             PlainRunGate(plain_runs, name="unseeded sampling"),
         )
 

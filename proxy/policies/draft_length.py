@@ -277,15 +277,14 @@ class DraftLengthPolicy:
         a = min((self.acceptance_rate() if a is None else a) or 0.0, 0.999)
         return (1.0 - a ** (k + 1)) / (1.0 - a)
 
-    def speedup_at(self, a: float) -> float | None:
+    def speedup_at(self, a: float, baseline: float) -> float | None:
         """How many times faster a token of speculation would come at per-draft
-        acceptance `a` than at the acceptance the rounds measured, on the cost model
-        with the verify times and drafter speed measured so far (best k for each, as
-        the rounds drafted ahead or not); None before a round measured them. The
-        plain-run gate scales its measured speculation rate by it to judge an
-        acceptance seen beside plain runs (`PlainRunGate.observe_shadow`)."""
-        measured = self.acceptance_rate()
-        if measured is None or not self._by_length:
+        acceptance `a` than at `baseline`, on the cost model with the verify times and
+        drafter speed measured so far (best k for each, as the rounds drafted ahead or
+        not); None before a round measured them. The plain-run gate scales the
+        speculation rate it measured at `baseline` by it, to judge the acceptance of
+        drafts checked beside plain runs (`PlainRunGate`, its shadow checks)."""
+        if not self._by_length:
             return None
         ahead = self._best_ahead
 
@@ -296,7 +295,7 @@ class DraftLengthPolicy:
                 for k in range(1, self.k_max + 1)
             )
 
-        return rate(a) / max(rate(measured), 1e-12)
+        return rate(a) / max(rate(baseline), 1e-12)
 
     def optimistic_acceptance(self) -> float | None:
         """The measured acceptance taken high (its Wilson bound `_CEILING_Z` standard

@@ -51,10 +51,12 @@ A re-measurement that only confirms plain runs is pure loss, and a dear one: on 
 H200 (14B f16) a chat's third turn paid 463 ms of slot copies at 1,357 tokens and ran
 0.81x plain, which held the whole chat at 0.95x (docs/BENCHMARKS.md). What can make
 speculation win where it lost is mostly the drafter's acceptance (another prompt,
-another kind of text), and that is measured for free beside plain runs: in the last
+another kind of text), and that is measured beside plain runs: in the last
 `SHADOW_RUNS` runs before a re-measurement is due, the drafter drafts beside each run
-(an otherwise idle NPU) and its draft is checked against the run's tokens, exactly as
-a round would have accepted it (greedy). The measured speculation rate, scaled by the
+and its draft is checked against the run's tokens, exactly as a round would have
+accepted it (greedy). On an NPU that costs the server nothing; a drafter that shares
+the server's processor slows the runs beside it, which then do not count as plain
+speed (`_observe_run`). The measured speculation rate, scaled by the
 cost model to that acceptance (`DraftLengthPolicy.speedup_at`), then decides: only
 where it now beats plain runs is speculation re-measured with real rounds; otherwise
 the re-measurement is skipped and the wait doubles as if it had confirmed plain runs.
@@ -66,8 +68,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from proxy.running_mean import running_mean
 
@@ -99,6 +100,16 @@ SHADOW_MIN_DRAFTS = 6  # drafts checked beside runs before the checks may skip a
 SHADOW_SKIPS_MAX = 3  # re-measurements skipped in a row before one is made anyway
 _COLD_ALPHA = 0.3  # weight of the newest request in the cold cost and the request length
 _DRAFT_ALPHA = 0.3  # weight of the newest drafter timing
+
+
+class ShadowModel(Protocol):
+    """What the shadow checks judge by (`DraftLengthPolicy`): the per-draft acceptance
+    the rounds measure, and how much faster speculation is at one acceptance than at
+    another on the measured costs."""
+
+    def acceptance_rate(self) -> float | None: ...
+
+    def speedup_at(self, a: float, baseline: float) -> float | None: ...
 
 
 def speculation_bound_ms(plain_ms: float, draft_ms: float, k_max: int = BOUND_K_MAX) -> float:
@@ -140,7 +151,7 @@ class PlainRunGate:
         mode: RunMode = "auto",
         run_tokens: int = 16,
         name: str = "greedy",
-        speedup: Callable[[float], float | None] | None = None,
+        model: ShadowModel | None = None,
     ) -> None:
         if run_tokens < 1:
             raise ValueError("run_tokens must be >= 1")
@@ -167,11 +178,15 @@ class PlainRunGate:
         self.cold_ms: float | None = None
         self._cold_pending: float | None = None
         self.request_tokens: float | None = None
-        # Shadow checks (greedy only): the speculation rate's factor at an acceptance
-        # (`DraftLengthPolicy.speedup_at`; None: no shadow checks), the accepted drafts,
-        # rejections and drafts seen beside the runs since the last due re-measurement,
-        # the re-measurements skipped in a row, and what the last check saw
-        self.speedup = speedup
+        # Shadow checks (greedy only): the cost model that scales the speculation rate
+        # to an acceptance (None: no shadow checks), the acceptance measured when the
+        # speculation rate was (the model's, at the last steady round), the accepted
+        # drafts, rejections and drafts seen beside the runs since the last due
+        # re-measurement (`_shadow_window` counts those), the re-measurements skipped in
+        # a row, and what the last check saw
+        self.model = model
+        self._spec_acceptance: float | None = None
+        self._shadow_window = 0
         self._shadow_accepted = 0
         self._shadow_rejected = 0
         self._shadow_drafts = 0
@@ -211,24 +226,26 @@ class PlainRunGate:
         a re-measurement is due within `SHADOW_RUNS` runs and there is a measured
         speculation rate to scale."""
         return (
-            self._can_shadow()
+            self.model is not None
+            and self.prefers_plain()
+            and self._spec_probe_left == 0
+            and self._spec.ms_per_token is not None
             and self._plain_tokens_since_probe + SHADOW_RUNS * self.run_tokens
             >= self._probe_spec_after
         )
 
-    def _can_shadow(self) -> bool:
-        """Shadow checks can judge a due re-measurement: greedy, plain runs chosen, no
-        re-measurement running, and a measured speculation rate to scale."""
-        return (
-            self.speedup is not None
-            and self.prefers_plain()
-            and self._spec_probe_left == 0
-            and self._spec.ms_per_token is not None
-        )
+    @property
+    def shadow_window(self) -> int:
+        """Which due re-measurement the shadow checks made now count for: a draft
+        judged after that one was decided (`observe_shadow`) is dropped."""
+        return self._shadow_window
 
-    def observe_shadow(self, n_accepted: int, rejected: bool) -> None:
-        """A draft beside a plain run had its first `n_accepted` tokens equal to the
-        run's, and then one that differed (`rejected`) or none left to compare."""
+    def observe_shadow(self, n_accepted: int, rejected: bool, window: int) -> None:
+        """A draft beside a plain run, started in `window` (`shadow_window`), had its
+        first `n_accepted` tokens equal to the run's, and then one that differed
+        (`rejected`) or none left to compare."""
+        if window != self._shadow_window:
+            return  # judged after its re-measurement was decided
         self._shadow_accepted += n_accepted
         self._shadow_rejected += int(rejected)
         self._shadow_drafts += 1
@@ -242,16 +259,18 @@ class PlainRunGate:
             self._shadow_accepted, self._shadow_rejected, self._shadow_drafts
         )  # fmt: skip
         self._shadow_accepted = self._shadow_rejected = self._shadow_drafts = 0
-        spec, plain = self._spec.ms_per_token, self._plain.ms_per_token
+        self._shadow_window += 1
+        if accepted + rejected:
+            self.shadow_acceptance = accepted / (accepted + rejected)
+        spec, plain, a = self._spec.ms_per_token, self._plain.ms_per_token, self.shadow_acceptance
         if (
-            self.speedup is None or spec is None or plain is None
-            or drafts < SHADOW_MIN_DRAFTS or not accepted + rejected
-            or self._shadow_skips >= SHADOW_SKIPS_MAX
+            self.model is None or spec is None or plain is None or a is None
+            or self._spec_acceptance is None or drafts < SHADOW_MIN_DRAFTS
+            or not accepted + rejected or self._shadow_skips >= SHADOW_SKIPS_MAX
         ):  # fmt: skip
             self._shadow_skips = 0
             return False
-        self.shadow_acceptance = a = accepted / (accepted + rejected)
-        factor = self.speedup(a)
+        factor = self.model.speedup_at(a, self._spec_acceptance)
         if factor is None or factor <= 0:
             self._shadow_skips = 0
             return False
@@ -369,14 +388,6 @@ class PlainRunGate:
             return True
         self._passed = 0
         self._pass_limit = min(2 * self._pass_limit, PASS_REQUESTS_MAX)
-        if self._can_shadow():
-            # the request served to re-measure does so: its first runs are the shadow
-            # checks, then the due re-measurement (made or skipped). Passed-through
-            # requests write no plain-run tokens, so by the token count alone it came
-            # only where a served request happened to reach it (emulated H200 chats: a
-            # served turn of 399 plain-run tokens that re-measured nothing)
-            due = self._probe_spec_after - SHADOW_RUNS * self.run_tokens
-            self._plain_tokens_since_probe = max(self._plain_tokens_since_probe, due)
         return False
 
     def observe_drafter(self, ms_per_token: float) -> None:
@@ -406,6 +417,8 @@ class PlainRunGate:
     def _observe_round(self, round_ms: float, n_committed: int) -> None:
         """A steady speculative round (not a first round, not one catching up a run)."""
         self._spec.add(round_ms, n_committed)
+        if self.model is not None:
+            self._spec_acceptance = self.model.acceptance_rate()
         self._spec_tokens_since_probe += n_committed
         if self._spec_probe_left > 0:
             self._count_probe_loss(round_ms, n_committed)

@@ -302,12 +302,13 @@ async def test_a_pass_through_alone_leaves_only_its_own_context_in_the_slots(spe
 async def test_drafts_beside_plain_runs_decide_whether_speculation_is_re_measured(
     spec_server, drafter_for, http, ref_server, draft, re_measured
 ):
-    """Plain runs were chosen (speculation measured at 20 ms a token, one draft in four
-    accepted, against plain's 10). In the runs before the next re-measurement is due the
-    drafter drafts beside each run and its draft is checked against the run's tokens:
-    a draft that writes what the target writes predicts speculation winning, and real
-    rounds re-measure it; an unrelated one predicts a loss, and the re-measurement (its
-    slot copies, its rounds) is skipped. The output is the server's either way."""
+    """Plain runs were chosen (speculation measured at 20 ms a token, one of each
+    round's three drafts accepted, against plain's 10). In the runs before the next
+    re-measurement is due the drafter drafts beside each run and its draft is checked
+    against the run's tokens: a draft that writes what the target writes predicts
+    speculation winning, and real rounds re-measure it; an unrelated one predicts a
+    loss, and the re-measurement (its slot copies, its rounds) is skipped. The output
+    is the server's either way."""
     prompt = await tokenize(http, ref_server, "The history of the printing press")
     n_predict = 1 + (SHADOW_RUNS + 2) * 16
     expected = await post_json(
