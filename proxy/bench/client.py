@@ -27,6 +27,7 @@ import aiohttp
 from proxy.server.upstream import parse_prometheus
 
 SPEC_HEADER = "X-Npu-Spec"
+PASSTHROUGH = "passthrough"  # the header's value for a request llama-server answered whole
 FIRST_N_TOKENS = 32  # issue 29's "first-32-token time" of a cold request
 
 
@@ -159,8 +160,13 @@ async def stream_completion(
                 if first_at is None:
                     first_at = now
                     if metrics_url:
+                        # a pass-through counts no round: waiting for one polled the
+                        # proxy's /metrics (and the server's behind it) 200 times while
+                        # the server decoded, and on 2 cores that held pass-through
+                        # chats at 0.70-0.77x plain (docs/BENCHMARKS.md)
+                        counter = None if header == PASSTHROUGH else round_counter
                         first_snapshot = asyncio.create_task(
-                            _after_first_round(session, metrics_url, before, round_counter)
+                            _after_first_round(session, metrics_url, before, counter)
                         )
                 last_at = now
                 tokens += new

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import aiohttp
+
 from proxy.bench.runner import (
     BenchOptions,
     first_mismatch,
@@ -113,3 +115,49 @@ def test_builtin_and_plain_request_stats() -> None:
     assert stats["accepted_per_position"] == [8, 6]
     plain = request_stats("plain", 0, 30, before, {}, after)
     assert plain == {"rounds": 30, "drafted": 0, "accepted": 0, "decodes": 12}
+
+
+async def test_a_streamed_pass_through_is_not_timed_beside_a_metrics_poll():
+    """A pass-through counts no round: the client reads the metrics before, at the first
+    token and after, and never polls for a round while the server decodes (on 2 cores
+    that poll held pass-through chats at 0.70-0.77x plain). A speculative answer is
+    polled until its first round shows."""
+    import asyncio
+    import json
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from proxy.bench.client import PASSTHROUGH, SPEC_HEADER, stream_completion
+
+    async def scenario(header: str) -> int:
+        reads = 0
+
+        async def metrics(_request: web.Request) -> web.Response:
+            nonlocal reads
+            reads += 1
+            rounds = 1 if header != PASSTHROUGH and reads > 5 else 0
+            return web.Response(text=f"npu_spec_rounds_total {rounds}\n")
+
+        async def completion(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={SPEC_HEADER: header})
+            await response.prepare(request)
+            for token in range(20):
+                event = {"tokens": [token], "content": "x", "stop": token == 19}
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await asyncio.sleep(0.005)
+            return response
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_post("/completion", completion)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            base = str(server.make_url("")).rstrip("/")
+            done = await stream_completion(
+                session, base, [1, 2, 3], 20, base + "/metrics", "npu_spec_rounds_total"
+            )
+        assert len(done.tokens) == 20
+        return reads
+
+    assert await scenario(PASSTHROUGH) == 3
+    assert await scenario("speculative") == 7  # before, 5 until the round shows, after
