@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from npu_draft.protocol import common_prefix_length
 from proxy.data.records import RoundObserver, RoundRecord
 from proxy.data.verify import PlainRun, VerifyResult
 from proxy.engine.acceptance import Acceptance, Dists, SampledAcceptance
@@ -147,7 +148,6 @@ class Rounds:
         and whether one then differed. Judged when the draft is done: the run's tokens
         are not held for it (a drafter's first draft of a request takes in the whole
         context first)."""
-
         window = self.policies.shadow_window()
 
         def judge(task: asyncio.Task[DraftOutcome]) -> None:
@@ -156,7 +156,7 @@ class Rounds:
             drafted = task.result()[0].tokens
             judged = min(len(drafted), len(tokens))
             if judged:
-                accepted = next((i for i in range(judged) if drafted[i] != tokens[i]), judged)
+                accepted = common_prefix_length(drafted, tokens)
                 self.policies.observe_shadow_draft(accepted, accepted < judged, window)
 
         shadow.add_done_callback(judge)

@@ -262,33 +262,34 @@ class PlainRunGate:
         self._shadow_window += 1
         if accepted + rejected:
             self.shadow_acceptance = accepted / (accepted + rejected)
-        spec, plain, a = self._spec.ms_per_token, self._plain.ms_per_token, self.shadow_acceptance
-        if (
-            self.model is None or spec is None or plain is None or a is None
-            or self._spec_acceptance is None or drafts < SHADOW_MIN_DRAFTS
-            or not accepted + rejected or self._shadow_skips >= SHADOW_SKIPS_MAX
-        ):  # fmt: skip
-            self._shadow_skips = 0
-            return False
-        factor = self.model.speedup_at(a, self._spec_acceptance)
-        if factor is None or factor <= 0:
-            self._shadow_skips = 0
-            return False
-        predicted = spec / factor + self.cold_ms_per_token()
-        if predicted < plain * (1 - HYSTERESIS):
+        predicted = None
+        if drafts >= SHADOW_MIN_DRAFTS and accepted + rejected:
+            predicted = self._predicted_spec_ms(accepted / (accepted + rejected))
+        plain = self._plain.ms_per_token
+        skip = (
+            predicted is not None and plain is not None
+            and predicted >= plain * (1 - HYSTERESIS) and self._shadow_skips < SHADOW_SKIPS_MAX
+        )  # fmt: skip
+        if predicted is not None and plain is not None:
             log.info(
                 "%s requests: drafts beside plain runs accepted %.2f: speculating would take "
-                "%.1f ms/token vs plain %.1f; re-measuring it", self.name, a, predicted, plain,
+                "%.1f ms/token vs plain %.1f; %s", self.name, self.shadow_acceptance, predicted,
+                plain, "re-measurement skipped" if skip else "re-measuring it",
             )  # fmt: skip
-            self._shadow_skips = 0
-            return False
-        self._shadow_skips += 1
-        self.shadow_skipped += 1
-        log.info(
-            "%s requests: drafts beside plain runs accepted %.2f: speculating would take "
-            "%.1f ms/token vs plain %.1f; re-measurement skipped", self.name, a, predicted, plain,
-        )  # fmt: skip
-        return True
+        self._shadow_skips = self._shadow_skips + 1 if skip else 0
+        self.shadow_skipped += int(skip)
+        return skip
+
+    def _predicted_spec_ms(self, a: float) -> float | None:
+        """The measured speculation rate scaled by the cost model to acceptance `a`,
+        with the cold fill charge; None without a model, a rate or its acceptance."""
+        spec, baseline = self._spec.ms_per_token, self._spec_acceptance
+        if self.model is None or spec is None or baseline is None:
+            return None
+        factor = self.model.speedup_at(a, baseline)
+        if factor is None or factor <= 0:
+            return None
+        return spec / factor + self.cold_ms_per_token()
 
     def measuring_first(self) -> bool:
         """Nothing is known yet that could justify speculating: no plain run measured,
