@@ -191,6 +191,7 @@ class PlainRunGate:
         self._shadow_rejected = 0
         self._shadow_drafts = 0
         self._shadow_skips = 0
+        self._shadow_extended = False  # the due point was put off once for more checks
         self.shadow_acceptance: float | None = None
         self.shadow_skipped = 0  # re-measurements skipped, all told
 
@@ -203,6 +204,9 @@ class PlainRunGate:
             return self.run_tokens
         if self.plain_chosen:
             if self._plain_tokens_since_probe >= self._probe_spec_after:
+                if self._shadow_wants_more_runs():
+                    self._plain_tokens_since_probe -= SHADOW_RUNS * self.run_tokens
+                    return self.run_tokens
                 self._plain_tokens_since_probe = 0
                 if self._shadow_says_plain():
                     self._probe_spec_after = self._next_probe_wait()
@@ -250,6 +254,18 @@ class PlainRunGate:
         self._shadow_rejected += int(rejected)
         self._shadow_drafts += 1
 
+    def _shadow_wants_more_runs(self) -> bool:
+        """At a due re-measurement with shadow checks under way but fewer than
+        `SHADOW_MIN_DRAFTS` judged (a drafter slower than the runs drafts beside every
+        other one, a draft still running when its run ended is judged later): the checks
+        get `SHADOW_RUNS` more runs, once, before the gate decides."""
+        if self._shadow_extended or self._shadow_drafts >= SHADOW_MIN_DRAFTS:
+            return False
+        if self.model is None or self._spec.ms_per_token is None:
+            return False  # no checks were made: nothing to wait for
+        self._shadow_extended = True
+        return True
+
     def _shadow_says_plain(self) -> bool:
         """At a due re-measurement: whether the shadow checks since the last one predict
         that speculation still loses (the re-measurement is then skipped). Too few
@@ -260,6 +276,7 @@ class PlainRunGate:
         )  # fmt: skip
         self._shadow_accepted = self._shadow_rejected = self._shadow_drafts = 0
         self._shadow_window += 1
+        self._shadow_extended = False
         if accepted + rejected:
             self.shadow_acceptance = accepted / (accepted + rejected)
         predicted = None

@@ -414,9 +414,11 @@ def shadow_gate(speedup_of_a: float | None, draft: tuple[int, bool] | None) -> P
     return gate
 
 
-def run_to_due(gate: PlainRunGate) -> int:
+def run_to_due(gate: PlainRunGate, every: int = 1) -> int:
     """Plain runs until `decide` starts a re-measurement (0) or a re-measurement was
-    skipped; each shadowed run's draft as the gate was told. Returns the runs shadowed."""
+    skipped; every `every`-th shadowed run's draft is judged, as the gate was told (a
+    drafter slower than the runs drafts beside every other one). Returns the runs
+    shadowed."""
     shadowed = 0
     skipped = gate.shadow_skipped
     while gate.decide() == gate.run_tokens:
@@ -425,7 +427,7 @@ def run_to_due(gate: PlainRunGate) -> int:
         if gate.wants_shadow():
             shadowed += 1
             draft = gate._test_shadow  # type: ignore[attr-defined]
-            if draft is not None:
+            if draft is not None and shadowed % every == 0:
                 gate.observe_shadow(*draft, gate.shadow_window)
         gate.observe(plain_run(gate.run_tokens * 10.0, gate.run_tokens))
     return shadowed
@@ -462,10 +464,29 @@ def test_drafts_beside_plain_runs_that_predict_a_win_re_measure_speculation():
     ids=["no-cost-model", "no-draft-checked"],
 )
 def test_without_a_judgeable_shadow_check_speculation_is_re_measured(speedup, draft):
+    from proxy.policies.plain_runs import SHADOW_RUNS
+
     gate = shadow_gate(speedup, draft)
-    run_to_due(gate)
+    shadowed = run_to_due(gate)
     assert gate.shadow_skipped == 0
     assert gate._spec_probe_left == PROBE_SPEC_ROUNDS
+    # no model: no checks, nothing to wait for; a model but no draft judged: the checks
+    # get SHADOW_RUNS more runs once, then the re-measurement is made
+    assert shadowed == (0 if speedup is None else 2 * SHADOW_RUNS)
+
+
+def test_too_few_drafts_by_the_due_point_get_more_runs_once():
+    """A drafter slower than the runs drafts beside every other one: SHADOW_RUNS / 2
+    drafts by the due point are too few to judge by, so the checks go on for
+    SHADOW_RUNS more runs, and then they decide (here: skip, acceptance 0.5)."""
+    from proxy.policies.plain_runs import SHADOW_MIN_DRAFTS, SHADOW_RUNS
+
+    assert SHADOW_RUNS // 2 < SHADOW_MIN_DRAFTS <= SHADOW_RUNS
+    gate = shadow_gate(1.0, (1, True))
+    assert run_to_due(gate, every=2) == 2 * SHADOW_RUNS
+    assert gate.shadow_skipped == 1 and gate._spec_probe_left == 0
+    assert gate.snapshot()["probe_spec_after"] == 2 * PROBE_SPEC_AFTER
+    assert run_to_due(gate) == SHADOW_RUNS  # the next window is not put off
 
 
 def test_every_few_skipped_re_measurements_one_is_made_anyway():
