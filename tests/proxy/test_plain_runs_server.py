@@ -302,8 +302,10 @@ async def test_a_pass_through_alone_leaves_only_its_own_context_in_the_slots(spe
 async def test_drafts_beside_plain_runs_decide_whether_speculation_is_re_measured(
     spec_server, drafter_for, http, ref_server, draft, re_measured
 ):
-    """Plain runs were chosen (speculation measured at 20 ms a token, one of each
-    round's three drafts accepted, against plain's 10). In the runs before the next
+    """Plain runs were chosen (speculation measured at 60 ms a token, one of each
+    round's three drafts accepted, against plain's 40: slow enough that the real
+    server's runs, measured once no draft runs beside them, keep plain runs chosen even
+    on a loaded machine). In the runs before the next
     re-measurement is due the drafter drafts beside each run and its draft is checked
     against the run's tokens: a draft that writes what the target writes predicts
     speculation winning, and real rounds re-measure it; an unrelated one predicts a
@@ -321,11 +323,11 @@ async def test_drafts_beside_plain_runs_decide_whether_speculation_is_re_measure
     settings = EngineSettings(k=3, plain_runs="auto")
     shared = settings.policies()
     gate = shared.plain_runs
-    plain = RoundRecord(0, 0, 16, 0.0, 160.0, 0.0, plain_run=True, n_run_tokens=16)
+    plain = RoundRecord(0, 0, 16, 0.0, 640.0, 0.0, plain_run=True, n_run_tokens=16)
     gate.observe(plain)
     gate.observe_drafter(1.0)
-    for _ in range(MIN_SPEC_ROUNDS):  # k = 3, one accepted: 2 tokens in 40 ms
-        spec = RoundRecord(3, 1, 2, 1.0, 38.0, 1.0, round_ms=40.0, draft_probs=[0.5] * 3)
+    for _ in range(MIN_SPEC_ROUNDS):  # k = 3, one accepted: 2 tokens in 120 ms
+        spec = RoundRecord(3, 1, 2, 1.0, 118.0, 1.0, round_ms=120.0, draft_probs=[0.5] * 3)
         shared.draft_length.observe(spec)
         gate.observe(spec)
     assert gate.plain_chosen
