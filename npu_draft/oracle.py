@@ -28,6 +28,11 @@ own drafts may leave the path (a corrupted token): it drafts on after them, as a
 drafter does, so a round verifies as many drafts as it asked for (the drafts after a
 wrong one cannot be accepted, whatever they are).
 
+With `runner_up_hits` h, a draft made right after a miss (the committed token
+corrected the oracle's own wrong draft) costs no time in a share h of misses, drawn per
+position: the engine has no lines ready for a rejection's outcomes, and this measures
+what they could gain at most (`npu-spec bench --oracle-runner-up-hits`).
+
 The per-token delay is a sleep on the calling thread (the engine's drafter thread):
 it holds neither the event loop nor the GIL, so the drafter runs truly in parallel
 with the proxy and the server, as an NPU does.
@@ -35,6 +40,7 @@ with the proxy and the server, as an NPU does.
 Folder form (loaded by `OracleDraftModel.from_folder`): `oracle.json` holding
 
     {"acceptance": 0.8, "delay_ms": 11.0, "seed": 0, "vocab_size": 151936,
+     "runner_up_hits": 0.0,
      "references": [[[prompt tokens...], [continuation tokens...],
                      [[position, runner-up token, [continuation after it...]], ...]], ...]}
 
@@ -157,10 +163,17 @@ class OracleConfig:
     delay_ms: float = 0.0
     seed: int = 0
     vocab_size: int = QWEN_VOCAB
+    # The share of misses after which a draft is ready at once, as if the drafter had
+    # drafted the line after its runner-up while the server verified (multi-outcome
+    # drafting, not built in the engine): an upper bound on what such lines can gain
+    # at that runner-up hit rate, with their drafting time taken as hidden.
+    runner_up_hits: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.acceptance <= 1.0:
             raise ValueError(f"oracle acceptance {self.acceptance} is not in [0, 1]")
+        if not 0.0 <= self.runner_up_hits <= 1.0:
+            raise ValueError(f"oracle runner-up hits {self.runner_up_hits} is not in [0, 1]")
         if self.delay_ms < 0:
             raise ValueError(f"oracle delay {self.delay_ms} ms is negative")
         if self.vocab_size < 2:
@@ -179,6 +192,17 @@ def drafted_token(config: OracleConfig, ref: Reference, position: int) -> int:
     return (true_token + offset) % config.vocab_size
 
 
+def runner_up_hit(config: OracleConfig, ref: Reference, position: int) -> bool:
+    """Whether the drafter's runner-up at `position` (where its draft was wrong) is the
+    target's token, a draw of its own (salted apart from the verdicts), as repeatable
+    as they are."""
+    if config.runner_up_hits <= 0.0:
+        return False
+    salt = 0x52554E4E45525550  # "RUNNERUP"
+    h = _mix64(_mix64((config.seed ^ salt) & _MASK64) ^ ref.key_at(position) ^ _mix64(position))
+    return (h >> 11) / float(1 << 53) < config.runner_up_hits
+
+
 class OracleDraftSession:
     def __init__(self, model: OracleDraftModel) -> None:
         self._model = model
@@ -186,6 +210,7 @@ class OracleDraftSession:
         self._ref: Reference | None = None  # the reference the prompt belongs to
         self._on_path = 0  # leading tokens of the sequence that lie on _ref
         self._synced = 0  # length of the sequence given by the last sync (the rest: drafts)
+        self._covered = False  # drafts since the sync come ready (runner_up_hits)
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -200,6 +225,7 @@ class OracleDraftSession:
             reused = common_prefix_length(old, new)
         self._tokens = new
         self._synced = len(new)
+        self._covered = False
         if self._ref is not None:
             self._on_path = self._ref.matched(new, min(self._on_path, reused))
         return SyncStats(reused=reused, appended=len(new) - reused)
@@ -242,7 +268,9 @@ class OracleDraftSession:
             return draft
         ref, position = found
         config = self._model.config
-        delay_s = config.delay_ms / 1e3
+        if len(self._tokens) == self._synced:  # the first draft since the sync
+            self._covered = self._after_covered_miss(ref, position)
+        delay_s = 0.0 if self._covered else config.delay_ms / 1e3
         for step in range(min(k, len(ref.continuation) - position)):
             if cancel is not None and cancel.cancelled:
                 break
@@ -258,6 +286,22 @@ class OracleDraftSession:
         self._tokens.extend(draft.tokens)
         self._on_path = ref.matched(self._tokens, self._on_path)
         return draft
+
+    def _after_covered_miss(self, ref: Reference, position: int) -> bool:
+        """Drafting after a sync whose last token corrected the oracle's own wrong draft
+        there (a rejection, or a bonus token its line guessed wrong), and the runner-up
+        was that token: the line after it would have been drafted while the server
+        verified (`OracleConfig.runner_up_hits`), all its tokens (the engine drafts
+        them one call at a time, until the next sync)."""
+        last = position - 1
+        if last < 0:
+            return False
+        truth = ref.continuation[last]
+        return (
+            self._tokens[-1] == truth
+            and drafted_token(self._model.config, ref, last) != truth
+            and runner_up_hit(self._model.config, ref, last)
+        )
 
     def next_logits(self) -> np.ndarray:
         logits = np.full(self._model.config.vocab_size, -30.0, dtype=np.float32)
@@ -304,6 +348,7 @@ class OracleDraftModel:
             delay_ms=float(data.get("delay_ms", 0.0)),
             seed=int(data.get("seed", 0)),
             vocab_size=int(data.get("vocab_size", QWEN_VOCAB)),
+            runner_up_hits=float(data.get("runner_up_hits", 0.0)),
         )
         references = [
             (entry[0], entry[1], [Branch(int(b[0]), int(b[1]), tuple(b[2])) for b in entry[2]])
@@ -338,6 +383,7 @@ def write_oracle_folder(
         "delay_ms": config.delay_ms,
         "seed": config.seed,
         "vocab_size": config.vocab_size,
+        "runner_up_hits": config.runner_up_hits,
         "references": [_entry(*reference) for reference in references],
     }
     (folder / ORACLE_FILE).write_text(json.dumps(data))

@@ -135,6 +135,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--oracle-seed", type=int, default=0, help="oracle drafter's random seed")
     parser.add_argument(
+        "--oracle-runner-up-hits",
+        type=float_list,
+        default=[0.0],
+        metavar="H[,H...]",
+        help="the share of misses after which the oracle's next draft is ready at once, as "
+        "if the line after its runner-up had been drafted during the verify: the most "
+        "multi-outcome drafting could gain at that hit rate (default 0: none)",
+    )
+    parser.add_argument(
         "--oracle-branches",
         type=int,
         default=DEFAULT_BRANCHES,
@@ -291,6 +300,7 @@ def options_from_args(args: argparse.Namespace):
             drafter.parent if drafter else None,
         ),
         oracle_seed=args.oracle_seed,
+        oracle_runner_up_hits=args.oracle_runner_up_hits,
         oracle_branches=args.oracle_branches,
         branch_margin=args.branch_margin,
         llama_server=llama_server,

@@ -88,6 +88,7 @@ class ModeSpec:
     acceptance: float | None = None  # oracle and builtin-synth
     delay_ms: float = 0.0  # oracle only
     delay_steps: float | None = None  # oracle: delay_ms as a fraction of the plain step
+    runner_up_hits: float = 0.0  # oracle: misses after which a draft is ready at once
     variant: str = ""  # proxy and oracle: a named set of extra `npu-spec serve` options
     serve_args: tuple[str, ...] = ()
 
@@ -96,7 +97,8 @@ class ModeSpec:
         base = self.kind
         if self.kind == "oracle":
             steps = "" if self.delay_steps is None else f"X={self.delay_steps:g},"
-            base = f"oracle(a={self.acceptance:g},{steps}{self.delay_ms:.3g}ms)"
+            hits = f",ru={self.runner_up_hits:g}" if self.runner_up_hits else ""
+            base = f"oracle(a={self.acceptance:g},{steps}{self.delay_ms:.3g}ms{hits})"
         elif self.kind == "builtin-synth":
             base = f"builtin-synth(a={self.acceptance:g})"
         return f"{base}[{self.variant}]" if self.variant else base

@@ -126,6 +126,8 @@ class BenchOptions:
     # replaces oracle_delay_ms when given
     oracle_delay_steps: list[float] | None = None
     oracle_seed: int = 0
+    # the oracle's ready drafts after a share of misses (OracleConfig.runner_up_hits)
+    oracle_runner_up_hits: list[float] = field(default_factory=lambda: [0.0])
     # a mode kind listed here runs at these k instead of -k (the sweep: -k plus these)
     mode_ks: dict[str, list[int]] = field(default_factory=dict)
     ceiling_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])  # t_v(k)
@@ -174,7 +176,7 @@ class Trial:
     prompts: list[BenchPrompt]
     outputs: dict[str, PlainOutput]  # by prompt id
     config: ServeConfig
-    oracle_folders: dict[tuple[float, float], Path]  # by (acceptance, delay ms)
+    oracle_folders: dict[tuple[float, float, float], Path]  # (acceptance, delay ms, hits)
     oracle_delays: list[tuple[float | None, float]]  # (X or None, delay ms)
 
 
@@ -214,9 +216,10 @@ def mode_specs(
         if kind == "oracle":
             specs += [
                 ModeSpec("oracle", k, acceptance=a, delay_ms=ms, delay_steps=x,
-                         variant=name, serve_args=tuple(args))
+                         runner_up_hits=h, variant=name, serve_args=tuple(args))
                 for a in options.oracle_acceptance
                 for x, ms in delays
+                for h in options.oracle_runner_up_hits
                 for name, args in options.proxy_variants
             ]  # fmt: skip
         elif kind == "builtin-synth":
@@ -403,7 +406,7 @@ class BenchSession:
     def _oracle_folders(
         self, context: int | None, prompts: list[BenchPrompt], outputs: dict[str, PlainOutput],
         delays: list[tuple[float | None, float]],
-    ) -> dict[tuple[float, float], Path]:  # fmt: skip
+    ) -> dict[tuple[float, float, float], Path]:  # fmt: skip
         o = self.options
         if "oracle" not in o.modes:
             return {}
@@ -416,9 +419,12 @@ class BenchSession:
         folders = {}
         for a in o.oracle_acceptance:
             for _, ms in delays:
-                config = OracleConfig(acceptance=a, delay_ms=ms, seed=o.oracle_seed)
-                folder = self.work_dir / f"oracle-ctx{context}-a{a:g}-d{ms:.4g}"
-                folders[(a, ms)] = write_oracle_folder(folder, references, config)
+                for h in o.oracle_runner_up_hits:
+                    config = OracleConfig(
+                        acceptance=a, delay_ms=ms, seed=o.oracle_seed, runner_up_hits=h
+                    )
+                    folder = self.work_dir / f"oracle-ctx{context}-a{a:g}-d{ms:.4g}-ru{h:g}"
+                    folders[(a, ms, h)] = write_oracle_folder(folder, references, config)
         return folders
 
     async def _cost_phase(self, context: int | None, prompts: list[BenchPrompt]) -> RoundCosts:
@@ -447,7 +453,7 @@ class BenchSession:
         o = self.options
         log_name = _log_name(trial, spec)
         folder = (
-            trial.oracle_folders.get((spec.acceptance, spec.delay_ms))
+            trial.oracle_folders.get((spec.acceptance, spec.delay_ms, spec.runner_up_hits))
             if spec.kind == "oracle" and spec.acceptance is not None
             else None
         )
@@ -605,6 +611,7 @@ class BenchSession:
                 "acceptance": spec.acceptance,
                 "delay_ms": spec.delay_ms,
                 "delay_steps": spec.delay_steps,
+                "runner_up_hits": spec.runner_up_hits,
             },
         }
 

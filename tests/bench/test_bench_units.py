@@ -52,6 +52,20 @@ def test_proxy_variants_multiply_proxy_and_oracle_modes() -> None:
     ]  # fmt: skip
 
 
+def test_runner_up_hits_multiply_oracle_modes_only() -> None:
+    """--oracle-runner-up-hits: one oracle mode (and oracle folder) per share of misses
+    it covers; its name says the share where it is not 0."""
+    options = BenchOptions(
+        target=Path("t.gguf"), modes=["plain", "builtin-synth", "oracle"],
+        oracle_delay_ms=11, oracle_runner_up_hits=[0.0, 0.42],
+    )  # fmt: skip
+    specs = mode_specs(options, 1)
+    assert [s.name for s in specs] == [
+        "plain", "builtin-synth(a=0.8)", "oracle(a=0.8,11ms)", "oracle(a=0.8,11ms,ru=0.42)",
+    ]  # fmt: skip
+    assert [s.runner_up_hits for s in specs[2:]] == [0.0, 0.42]
+
+
 def test_first_mismatch() -> None:
     assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert first_mismatch([1, 9, 3], [1, 2, 3]) == 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from npu_draft.async_session import AsyncDraftSession
 from npu_draft.oracle import OracleConfig, OracleDraftModel, drafted_token
 
@@ -66,3 +68,77 @@ async def test_the_delay_holds_neither_the_event_loop_nor_other_threads():
     assert draft.tokens == TRUTH[:4]
     assert elapsed >= 0.04
     assert ticks >= 5  # the loop ran while the drafter slept
+
+
+def _sleeps(monkeypatch) -> list[float]:
+    """The oracle's per-token delays, recorded instead of slept."""
+    import npu_draft.oracle as oracle
+
+    slept: list[float] = []
+    monkeypatch.setattr(oracle.time, "sleep", slept.append)
+    return slept
+
+
+def _hits_model(hits: float) -> OracleDraftModel:
+    config = OracleConfig(
+        acceptance=0.5, delay_ms=11.0, seed=3, vocab_size=VOCAB, runner_up_hits=hits
+    )
+    return OracleDraftModel([(PROMPT, TRUTH)], config)
+
+
+def _missed(model: OracleDraftModel, covered: bool) -> int:
+    """A position where the oracle drafts wrong and its runner-up is (or is not) the
+    target's token."""
+    from npu_draft.oracle import runner_up_hit
+
+    ref = model.references[0]
+    return next(
+        p for p in range(len(TRUTH) - 8)
+        if drafted_token(model.config, ref, p) != TRUTH[p]
+        and runner_up_hit(model.config, ref, p) == covered
+    )  # fmt: skip
+
+
+def test_after_a_miss_its_runner_up_covered_the_next_draft_comes_ready(monkeypatch):
+    """runner_up_hits: after a miss whose correction was the drafter's runner-up, the
+    whole next draft (token by token until the next sync) costs no time, as a line
+    drafted during the verify would; after one it did not cover, each token costs the
+    delay, as after an accepted draft."""
+    slept = _sleeps(monkeypatch)
+    model = _hits_model(0.5)
+    session = model.open_session()
+    for covered in (True, False):
+        miss = _missed(model, covered)
+        session.sync(PROMPT + TRUTH[: miss + 1])  # the correction committed
+        slept.clear()
+        drafts = [session.propose(1).tokens[0] for _ in range(3)]
+        assert len(slept) == (0 if covered else 3)
+        ref = model.references[0]
+        assert drafts == [drafted_token(model.config, ref, miss + 1 + i) for i in range(3)]
+    ref = model.references[0]
+    hit = next(p for p in range(len(TRUTH)) if drafted_token(model.config, ref, p) == TRUTH[p])
+    session.sync(PROMPT + TRUTH[: hit + 1])  # its own draft accepted: nothing to cover
+    slept.clear()
+    session.propose(2)
+    assert slept == [0.011, 0.011]
+
+
+def test_runner_up_hits_cover_their_share_of_misses_and_none_by_default(monkeypatch):
+    from npu_draft.oracle import runner_up_hit
+
+    long_truth = list(range(100, 5100))
+    for hits in (0.0, 0.42, 1.0):
+        config = OracleConfig(acceptance=0.5, seed=3, vocab_size=10_000, runner_up_hits=hits)
+        ref = OracleDraftModel([(PROMPT, long_truth)], config).references[0]
+        share = sum(runner_up_hit(config, ref, p) for p in range(len(long_truth))) / 5000
+        assert abs(share - hits) < 0.03
+    with pytest.raises(ValueError, match="runner-up hits"):
+        OracleConfig(runner_up_hits=1.5)
+
+
+def test_runner_up_hits_travel_in_the_oracle_folder(tmp_path):
+    from npu_draft.oracle import write_oracle_folder
+
+    config = OracleConfig(acceptance=0.8, delay_ms=11.0, runner_up_hits=0.42)
+    folder = write_oracle_folder(tmp_path / "o", [(PROMPT, TRUTH)], config)
+    assert OracleDraftModel.from_folder(folder).config == config
