@@ -700,6 +700,8 @@ def _log_name(trial: Trial, spec: ModeSpec) -> str:
         name += f"-a{spec.acceptance:g}"
     if spec.delay_steps is not None:
         name += f"-X{spec.delay_steps:g}"
+    if spec.runner_up_hits:
+        name += f"-ru{spec.runner_up_hits:g}"
     if spec.variant:
         name += f"-{spec.variant}"
     return name

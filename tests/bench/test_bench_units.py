@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 
@@ -64,6 +65,10 @@ def test_runner_up_hits_multiply_oracle_modes_only() -> None:
         "plain", "builtin-synth(a=0.8)", "oracle(a=0.8,11ms)", "oracle(a=0.8,11ms,ru=0.42)",
     ]  # fmt: skip
     assert [s.runner_up_hits for s in specs[2:]] == [0.0, 0.42]
+    from proxy.bench.runner import _log_name
+
+    trial = SimpleNamespace(context=512, repeat=0)
+    assert _log_name(trial, specs[2]) != _log_name(trial, specs[3])  # logs kept apart
 
 
 def test_first_mismatch() -> None:
