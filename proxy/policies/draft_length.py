@@ -37,12 +37,7 @@ keep them. Between and beyond the lengths measured, the verify time follows the
 measured curve (interpolated, extrapolated along its outermost segment), not a prior
 slope. Later, every `_EXPLORE_EVERY` rounds, one round one draft longer or shorter than
 its choice; a length measured to lose much is tried less often (up to 16 times less),
-since each try costs what it loses. A longer length that loses more than `_SWEEP_STOP`
-at the acceptance measured now is not tried again: past a cliff its round needs a slot
-the rounds do not keep current, and that slot catches up at prefill speed on every
-token committed since it was last used (on the Strix Halo 14B file one such round cost
-0.3-1.5 s, 4-8% of its request; docs/BENCHMARKS.md, "Drafts ready after a miss"). A
-higher acceptance shrinks the loss and brings it back.
+since each try costs what it loses.
 """
 
 from __future__ import annotations
@@ -160,12 +155,9 @@ class DraftLengthPolicy:
         step = 1 if (round_index // _EXPLORE_EVERY) % 2 else -1
         neighbour = chosen + step if 1 <= chosen + step <= self.k_max else chosen - step
         neighbour = min(max(neighbour, 1), self.k_max)
-        regret = self._regret(ahead, chosen, neighbour)
-        if neighbour > chosen and regret > _SWEEP_STOP:
-            return None  # past a cliff: its stale slot would catch up at prefill speed
         # a neighbour measured to lose much is tried less often: each such round costs
         # what it loses (a 9-token Vulkan round costs 3.4 steps instead of 1.2)
-        if round_index % (_EXPLORE_EVERY * self._explore_spacing(regret)):
+        if round_index % (_EXPLORE_EVERY * self._explore_spacing(ahead, chosen, neighbour)):
             return None
         return neighbour
 
@@ -182,20 +174,16 @@ class DraftLengthPolicy:
             rates[n] = self.expected_tokens(n) / max(self.round_ms_model(n, ahead), 1e-6)
         return None
 
-    def _regret(self, ahead: bool, chosen: int, other: int) -> float:
-        """The share of `chosen`'s expected rate that `other` loses (0 if it gains)."""
+    def _explore_spacing(self, ahead: bool, chosen: int, other: int) -> int:
+        """How many exploring slots to skip between tries of `other`: 1, plus one per
+        2.5% of expected rate it was measured to lose against `chosen` (at most 16)."""
         if other == chosen:
-            return 0.0
+            return 1
         rate = {
             n: self.expected_tokens(n) / max(self.round_ms_model(n, ahead), 1e-6)
             for n in (chosen, other)
         }
-        return max(0.0, 1.0 - rate[other] / max(rate[chosen], 1e-9))
-
-    @staticmethod
-    def _explore_spacing(regret: float) -> int:
-        """How many exploring slots to skip between tries of a length that loses
-        `regret` of the choice's rate: 1, plus one per 2.5% (at most 16)."""
+        regret = max(0.0, 1.0 - rate[other] / max(rate[chosen], 1e-9))
         return 1 + min(15, int(regret * 40))
 
     def length(self, ahead: bool) -> int:
