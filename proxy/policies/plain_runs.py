@@ -204,7 +204,7 @@ class PlainRunGate:
             return self.run_tokens
         if self.plain_chosen:
             if self._plain_tokens_since_probe >= self._probe_spec_after:
-                if self._shadow_wants_more_runs():
+                if self._shadow_put_off():
                     self._plain_tokens_since_probe -= SHADOW_RUNS * self.run_tokens
                     return self.run_tokens
                 self._plain_tokens_since_probe = 0
@@ -254,11 +254,12 @@ class PlainRunGate:
         self._shadow_rejected += int(rejected)
         self._shadow_drafts += 1
 
-    def _shadow_wants_more_runs(self) -> bool:
+    def _shadow_put_off(self) -> bool:
         """At a due re-measurement with shadow checks under way but fewer than
         `SHADOW_MIN_DRAFTS` judged (a drafter slower than the runs drafts beside every
         other one, a draft still running when its run ended is judged later): the checks
-        get `SHADOW_RUNS` more runs, once, before the gate decides."""
+        get `SHADOW_RUNS` more runs, once, before the gate decides. Returns whether it
+        put the due point off (and records that it did)."""
         if self._shadow_extended or self._shadow_drafts >= SHADOW_MIN_DRAFTS:
             return False
         if self.model is None or self._spec.ms_per_token is None:
