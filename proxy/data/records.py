@@ -43,6 +43,9 @@ class RoundRecord:
     # first round prefilled one slot only), or slots were copied for it: its time says
     # little about speculation
     catch_up: bool = False
+    # of those, a round whose only copy was a fresh one into a slot left behind
+    # (`SlotCopies.refresh`): its verify time is a steady round's, its copy time is not
+    refreshed: bool = False
     draft_probs: list[float] = field(default_factory=list)  # the draft's p per token
     # what the drafter itself spent on the tokens it drafted for this round (not taken
     # from drafting ahead), and whether the round started with a re-sync (no drafted

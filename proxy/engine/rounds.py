@@ -45,6 +45,7 @@ class _Round:
     acceptance: Acceptance = field(default_factory=lambda: Acceptance(0, [], 0))
     n_committed: int = 0
     copied: bool = False  # slots were copied for it (its times are no steady round's)
+    refreshed: bool = False  # ... fresh into a slot it used: its verify time is steady
 
     @property
     def verify_ms(self) -> float:
@@ -116,7 +117,9 @@ class Rounds:
         server_idle_ms = (sent - loop.last_back) * 1e3
         loop.last_back = back
         loop.lag += len(run.tokens)
-        self.slots.used([run.id_slot], run.id_slot)
+        # the run's last token is committed, not yet decoded into its slot
+        held = len(context) + len(run.tokens) - 1
+        self.slots.used([run.id_slot], run.id_slot, {run.id_slot: held})
         for event in events:
             yield event
         decodes, prompt_tokens = await self.decodes.round_delta()
@@ -184,8 +187,14 @@ class Rounds:
         await self._verify(loop, round_)
         round_.acceptance = self.rule.accept(round_.drafted.tokens, round_.dists, round_.results)
         # the prompt that ends at the last accepted draft: its slot holds the most
-        fullest = round_.results[round_.acceptance.n_accepted].id_slot
-        self.slots.used((r.id_slot for r in round_.results), fullest)
+        n_accepted = round_.acceptance.n_accepted
+        fullest = round_.results[n_accepted].id_slot
+        # prompt i ended at draft i: its slot holds the committed prefix up to there
+        holds = {
+            r.id_slot: len(round_.committed) + min(i, n_accepted)
+            for i, r in enumerate(round_.results)
+        }  # fmt: skip
+        self.slots.used(holds.keys(), fullest, holds)
         # the next round's committed sequence is known: its draft may start now (not
         # after a round that filled one slot: plain runs come next)
         n_next = len(round_.acceptance.tokens)
@@ -225,7 +234,8 @@ class Rounds:
         )
         n_drafted = len(round_.drafted.tokens)
         round_.draft_ready = time.perf_counter()
-        round_.copied = await self.slots.warm_for(n_drafted + 1, len(round_.committed))
+        warmed = await self.slots.warm_for(n_drafted + 1, len(round_.committed))
+        round_.copied, round_.refreshed = bool(warmed), warmed == "refreshed"
         round_.verify_start = time.perf_counter()
         if loop.awaiting_overlap is not None:  # the last round's choice, judged
             awaiting, loop.awaiting_overlap = loop.awaiting_overlap, None
@@ -302,6 +312,7 @@ class Rounds:
             # few to copy), which on Strix Halo's Vulkan crosses the 8-token edge; the
             # gate took such rounds for speculation speed and chose plain runs
             catch_up=loop.after_run or round_.copied or len(loop.rounds) == 1,
+            refreshed=round_.refreshed and not loop.after_run and len(loop.rounds) != 1,
             draft_probs=drafted.probs,
             fresh_tokens=drafted.fresh,
             fresh_ms=drafted.fresh_ms,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from npu_draft.protocol import common_prefix_length
 from proxy.running_mean import running_mean
@@ -75,6 +75,19 @@ class SlotReplicator:
             return False
         return gap * copies * prefill < n_context * save
 
+    def refresh_pays(self, lag: int, n_context: int) -> bool:
+        """Whether a slot that lags the context by `lag` tokens should get a fresh copy
+        of the whole `n_context` before a batch uses it, rather than prefill what it
+        lags by inside that batch. On Strix Halo's Vulkan a batch past 8 tokens prefills
+        at ~4 ms a token against a save's ~0.15 (the regime file), so a slot left behind
+        since the last longer round pays from a few dozen tokens on; on the H200 a save
+        costs twice a prefill per token and the slot catches up in the batch. Unmeasured
+        rates: no."""
+        save, prefill = self.save_ms_per_token, self.prefill_ms_per_token
+        if save is None or prefill is None or not self.worth_copying(lag):
+            return False
+        return lag * prefill > n_context * save
+
     async def replicate(
         self,
         id_slot: int,
@@ -82,10 +95,12 @@ class SlotReplicator:
         filename: str,
         keep: Collection[int] = (),
         save: bool = True,
+        into: Collection[int] | None = None,
     ) -> list[int]:
-        """Copy slot `id_slot` into up to `copies` idle slots, none of `keep`; returns
-        the ids restored (nothing is saved where no slot is free). `save` False:
-        restore `filename` as it is (saved earlier by the same generation)."""
+        """Copy slot `id_slot` into up to `copies` idle slots, none of `keep` (only of
+        `into` where given); returns the ids restored (nothing is saved where no slot
+        is free). `save` False: restore `filename` as it is (saved earlier by the same
+        generation)."""
         if not self.available or copies <= 0 or id_slot < 0:
             return []
         restored: list[int] = []
@@ -94,6 +109,7 @@ class SlotReplicator:
             targets = [
                 s["id"] for s in slots
                 if not s.get("is_processing") and s["id"] != id_slot and s["id"] not in keep
+                and (into is None or s["id"] in into)
             ][:copies]  # fmt: skip
             if not targets:
                 return []
@@ -185,6 +201,12 @@ class SlotReplicator:
         return erased
 
 
+# what `SlotCopies.warm_for` did before a batch: nothing; copies into slots the
+# generation had not used (they may lag and catch up in the batch); or a fresh copy into
+# a slot it had used (the batch's verify time is then a steady round's)
+Warmed = Literal["", "copied", "refreshed"]
+
+
 @dataclass(frozen=True)
 class FirstRound:
     """How a generation's first round fills the slots."""
@@ -226,6 +248,9 @@ class SlotCopies:
         # context tokens in the slot file as this generation last saved it (None: not
         # saved yet; the file may hold another generation's context)
         self.saved_at: int | None = None
+        # committed-context tokens each slot it touched holds, where known (a slot not
+        # in it is taken to be current)
+        self.holds: dict[int, int] = {}
 
     def first_round(self, one_slot: bool) -> FirstRound:
         """The plan of a first round that has a drafter: one slot is prefilled (and
@@ -263,22 +288,49 @@ class SlotCopies:
         self.others_hold = n_context - lag
         await self._copy(self.fullest, self.slots_to_copy(), lag, n_context=n_context)
 
-    async def warm_for(self, n_prompts: int, n_context: int) -> bool:
+    async def warm_for(self, n_prompts: int, n_context: int) -> Warmed:
         """Before a verify batch of `n_prompts` prompts over `n_context` tokens: where
         fewer slots than that hold this generation's context, and the others lag by
         enough to be worth a copy, copy the fullest slot into as many of them. This is a
         round longer than the slots copied so far were meant for (exploring a length, a
         round whose drafts were ready); without the copies its prompts in the other
         slots would prefill what those lag by, the whole context on a cold start (0.6 s
-        a slot at 4k on the H200; docs/BENCHMARKS.md, "Fifth run of the day"). True when
-        it copied."""
+        a slot at 4k on the H200; docs/BENCHMARKS.md, "Fifth run of the day"). Where
+        enough slots were touched but one the batch will use lags far behind (`refresh`),
+        that one gets a fresh copy. Says what it did: "copied", "refreshed" or "" (nothing)."""
         missing = n_prompts - len(self.touched)
         if missing <= 0:
-            return False
+            return "refreshed" if await self.refresh(n_prompts, n_context) else ""
         copied = await self._copy(
             self.fullest, missing, n_context - self.others_hold, keep=self.touched,
             n_context=n_context,
         )  # fmt: skip
+        return "copied" if copied else ""
+
+    async def refresh(self, n_prompts: int, n_context: int) -> bool:
+        """Before a batch of `n_prompts` prompts: the server gives them the slots that
+        hold the most of the context, so the least current of the `n_prompts` most
+        current slots this generation touched is the one that catches up inside the
+        batch. A slot unused since a longer round lags by every token committed since:
+        on the Strix Halo 14B (emulated) the draft-length policy's one k = 2 round among
+        k = 1 rounds made its third slot prefill 70-360 tokens, 0.3-1.5 s
+        (docs/BENCHMARKS.md, "Drafts ready after a miss"). Where the measured rates say
+        a fresh copy costs less (`SlotReplicator.refresh_pays`), copy the fullest slot
+        into it first: it then holds the whole context and the batch ingests only the
+        drafts. True when it copied."""
+        replicator = self.replicator
+        ranked = sorted(self.touched, key=lambda s: self.holds.get(s, n_context), reverse=True)
+        if replicator is None or not replicator.available or not 2 <= n_prompts <= len(ranked):
+            return False
+        stalest = ranked[n_prompts - 1]
+        lag = n_context - self.holds.get(stalest, n_context)
+        if stalest == self.fullest or not replicator.refresh_pays(lag, n_context):
+            return False
+        copied = await replicator.replicate(self.fullest, 1, self.slot_file, into=[stalest])
+        if copied:
+            log.info("slot %d lagged by %d tokens: copied the context afresh", stalest, lag)
+            self.saved_at = n_context
+            self.holds[stalest] = n_context
         return bool(copied)
 
     async def _copy(
@@ -299,19 +351,24 @@ class SlotCopies:
         reuse = self.saved_at is not None and replicator.reuse_pays(
             n_context - self.saved_at, copies, n_context
         )
+        held = self.saved_at if reuse and self.saved_at is not None else n_context
         copied = await replicator.replicate(
             id_slot, copies, self.slot_file, keep=set(keep), save=not reuse
         )
         if copied and not reuse:
             self.saved_at = n_context
         self._touch(copied)
+        self.holds.update(dict.fromkeys(copied, held))
         return copied
 
-    def used(self, slots: Iterable[int], fullest: int) -> None:
+    def used(
+        self, slots: Iterable[int], fullest: int, holds: Mapping[int, int] | None = None
+    ) -> None:
         """A verify batch or plain run used `slots`; `fullest` now holds the most of the
-        committed context."""
+        committed context; `holds`: how many committed-context tokens each now holds."""
         self._touch(slots)
         self.fullest = fullest
+        self.holds.update(holds or {})
 
     def _touch(self, slots: Iterable[int]) -> None:
         """This generation uses `slots` from now on: no other clears them meanwhile."""

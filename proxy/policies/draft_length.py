@@ -432,16 +432,21 @@ class DraftLengthPolicy:
         """A finished round. Only a steady verify round with the draft's p counts: a
         plain run has no draft, and the verify time of a first round (prefilling) or of
         one whose slots catch up (after plain runs, or copied for it) says nothing
-        about the draft length."""
+        about the draft length, except where a fresh copy made its slots current before
+        it (`refreshed`: the copy's time is left out of the round's and the proxy's)."""
         probs = record.draft_probs
         n = len(probs)  # prompts - 1: what the verify time follows
-        if record.plain_run or record.first or record.catch_up or not n:
+        if record.plain_run or record.first or (record.catch_up and not record.refreshed):
+            return
+        if not n:
             return
         expected = float(np.cumprod(np.asarray(probs, dtype=np.float64)).sum())
         self._accepted = _ema(self._accepted, record.n_accepted)
         self._expected = _ema(self._expected, expected)
         self.calibration = min(max((self._accepted + 0.1) / (self._expected + 0.1), 0.05), 4.0)
-        self.round_ms = _ema(self.round_ms, record.round_ms)
+        if not record.refreshed:
+            self.round_ms = _ema(self.round_ms, record.round_ms)
+            self.proxy_ms = _ema(self.proxy_ms, record.overhead_ms)
         self.tokens_per_round = _ema(self.tokens_per_round, record.n_committed)
         self.prompts_per_round = _ema(self.prompts_per_round, n + 1)
         self.draft_ms_per_token = _ema(self.draft_ms_per_token, record.draft_ms / n)
@@ -457,7 +462,6 @@ class DraftLengthPolicy:
             # (negative where an early draft hid part of the drafting behind the proxy's
             # own work on the previous round)
             self.resync_ms = _ema(self.resync_ms, record.draft_ms - record.fresh_ms)
-        self.proxy_ms = _ema(self.proxy_ms, record.overhead_ms)
         self._best = self._two = None
         self.rounds += 1
         self._explored = {i for i in self._explored if i >= self.rounds}

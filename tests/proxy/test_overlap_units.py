@@ -205,6 +205,26 @@ def test_policy_fits_the_verify_slope():
     assert policy.verify_slope_ms() == pytest.approx(2.5)
 
 
+def test_a_round_made_current_by_a_fresh_copy_counts_its_verify_time_not_its_copy():
+    """A catch-up round says nothing about its draft length, unless its only copy was a
+    fresh one into a slot left behind: then its verify time is a steady round's (a
+    2-draft round on the Strix Halo 14B, explored among 1-draft ones), and the copy's
+    time, in its round and overhead, is left out."""
+    policy = DraftLengthPolicy(2)
+    for _ in range(4):
+        policy.observe(steady_round([0.9], 1, 2, 2.0, 50.0, 55.0, overhead_ms=1.0))
+    rounds, proxy_ms = policy.rounds, policy.proxy_ms
+    policy.observe(steady_round([0.9, 0.9], 2, 3, 4.0, 140.0, 900.0, 700.0, catch_up=True))
+    assert policy.rounds == rounds and 2 not in policy._by_length  # a stale slot caught up
+    refreshed = steady_round(
+        [0.9, 0.9], 2, 3, 4.0, 60.0, 160.0, 95.0, catch_up=True, refreshed=True
+    )
+    policy.observe(refreshed)
+    assert policy.rounds == rounds + 1
+    assert policy._by_length[2] == (60.0, 1)
+    assert policy.proxy_ms == proxy_ms and policy.round_ms == pytest.approx(55.0)
+
+
 def test_slots_to_copy_follow_the_rounds():
     policy = DraftLengthPolicy(6)
     assert policy.slots_to_copy() == 6  # nothing measured: every slot a round may use

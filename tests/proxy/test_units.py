@@ -533,6 +533,53 @@ async def test_a_passing_copy_failure_keeps_copies_on_and_counts_the_slots_resto
     assert not copies.replicator.available
 
 
+def copies_after_a_cold_fill(server: SlotServer, prefill_ms_per_token: float):
+    """A 500-token prompt prefilled in slot 0 at the given rate; saves cost 0.15 ms a
+    token (the caller copies it)."""
+    server.n_saved, server.save_ms_per_token = 500, 0.15
+    copies = slot_copies(server, n_prompt=500)
+    copies.observe_first_round(server_ms=prefill_ms_per_token * 500, n_fresh=500)
+    copies.used([0], fullest=0, holds={0: 500})
+    return copies
+
+
+async def test_a_slot_left_behind_gets_a_fresh_copy_where_its_catch_up_costs_more():
+    """Strix Halo 14B rates (the regime file: a save 0.15 ms a token, a prefill past
+    the 8-token edge ~4): slot 2, last used 100 tokens ago, would prefill those inside
+    the next 3-prompt batch (~400 ms) where a fresh copy of the 600-token context costs
+    ~90 ms. The batch's other slots are current; a 2-prompt batch leaves slot 2 alone."""
+    server = SlotServer()
+    copies = copies_after_a_cold_fill(server, prefill_ms_per_token=4.0)
+    await copies.after_first_round(0, n_cached=0)  # into slot 1
+    copies.used([0, 1], fullest=1, holds={0: 520, 1: 519})
+    assert await copies.warm_for(3, 520) == "copied"  # slot 2 first used: a plain copy
+    copies.used([0, 1, 2], fullest=2, holds={0: 520, 1: 520, 2: 520})
+    copies.used([0, 1], fullest=0, holds={0: 599, 1: 598})
+    before = len(server.actions)
+    assert await copies.warm_for(2, 600) == ""
+    assert await copies.warm_for(3, 600) == "refreshed"
+    assert server.actions[before:] == [(0, "save"), (2, "restore")]
+    assert copies.holds[2] == 600 and copies.saved_at == 600
+    assert await copies.warm_for(3, 601) == ""  # current now
+
+
+@pytest.mark.parametrize(
+    ("prefill_ms_per_token", "lag"),
+    [(0.074, 100), (4.0, 40)],  # the H200's prefill: a save costs more; a short lag
+)
+async def test_a_slot_left_behind_catches_up_in_the_batch_where_that_costs_less(
+    prefill_ms_per_token, lag
+):
+    server = SlotServer()
+    copies = copies_after_a_cold_fill(server, prefill_ms_per_token)
+    await copies.after_first_round(0, n_cached=0)
+    copies.used([0, 1, 2], fullest=2, holds={0: 500, 1: 500, 2: 500})
+    copies.used([0, 1], fullest=0, holds={0: 500 + lag, 1: 500 + lag})
+    before = len(server.actions)
+    assert await copies.warm_for(3, 500 + lag) == ""
+    assert server.actions[before:] == []
+
+
 async def test_a_later_copy_restores_the_generations_own_file_where_a_new_save_costs_more():
     """H200 rates (save 0.150 ms a token, prefill 0.074 a token and slot): at 4k a
     second save costs 0.6 s, while two slots prefilling the 100 tokens the first
