@@ -285,6 +285,11 @@ class Rounds:
         """The round's record, checked (one server decode) and observed."""
         decodes, prompt_tokens = await self.decodes.round_delta()
         self.decodes.check(decodes, len(loop.rounds))
+        # the round after a first round also catches up: on a new turn of a
+        # conversation the other slots ingest its new tokens inside this batch (too
+        # few to copy), which on Strix Halo's Vulkan crosses the 8-token edge; the
+        # gate took such rounds for speculation speed and chose plain runs
+        slots_lagged = loop.after_run or len(loop.rounds) == 1
         total_ms = (time.perf_counter() - round_.started) * 1e3
         drafted, acceptance = round_.drafted, round_.acceptance
         record = RoundRecord(
@@ -307,12 +312,8 @@ class Rounds:
             server_ms=max(r.server_ms for r in round_.results),
             server_prompt_tokens=sum(r.prompt_n for r in round_.results),
             round_ms=total_ms,
-            # the round after a first round also catches up: on a new turn of a
-            # conversation the other slots ingest its new tokens inside this batch (too
-            # few to copy), which on Strix Halo's Vulkan crosses the 8-token edge; the
-            # gate took such rounds for speculation speed and chose plain runs
-            catch_up=loop.after_run or round_.copied or len(loop.rounds) == 1,
-            refreshed=round_.refreshed and not loop.after_run and len(loop.rounds) != 1,
+            catch_up=slots_lagged or round_.copied,
+            refreshed=round_.refreshed and not slots_lagged,
             draft_probs=drafted.probs,
             fresh_tokens=drafted.fresh,
             fresh_ms=drafted.fresh_ms,

@@ -319,9 +319,13 @@ class SlotCopies:
         into it first: it then holds the whole context and the batch ingests only the
         drafts. True when it copied."""
         replicator = self.replicator
-        ranked = sorted(self.touched, key=lambda s: self.holds.get(s, n_context), reverse=True)
-        if replicator is None or not replicator.available or not 2 <= n_prompts <= len(ranked):
+        if (
+            replicator is None
+            or not replicator.available
+            or not 2 <= n_prompts <= len(self.touched)
+        ):
             return False
+        ranked = sorted(self.touched, key=lambda s: self.holds.get(s, n_context), reverse=True)
         stalest = ranked[n_prompts - 1]
         lag = n_context - self.holds.get(stalest, n_context)
         if stalest == self.fullest or not replicator.refresh_pays(lag, n_context):
