@@ -28,10 +28,11 @@ own drafts may leave the path (a corrupted token): it drafts on after them, as a
 drafter does, so a round verifies as many drafts as it asked for (the drafts after a
 wrong one cannot be accepted, whatever they are).
 
-With `runner_up_hits` h, a draft made right after a miss (the committed token
-corrected the oracle's own wrong draft) costs no time in a share h of misses, drawn per
-position: the engine has no lines ready for a rejection's outcomes, and this measures
-what they could gain at most (`npu-spec bench --oracle-runner-up-hits`).
+Each greedy draft token comes with a runner-up (`Draft.runner_ups`): where the token is
+wrong, the target's own token in a share `runner_up_hits` h of positions (drawn per
+position, apart from the verdicts), else another wrong token. The engine drafts the
+lines after the runner-ups while the server verifies (`npu-spec bench
+--oracle-runner-up-hits`), each token at the oracle's delay like any other.
 
 The per-token delay is a sleep on the calling thread (the engine's drafter thread):
 it holds neither the event loop nor the GIL, so the drafter runs truly in parallel
@@ -163,10 +164,8 @@ class OracleConfig:
     delay_ms: float = 0.0
     seed: int = 0
     vocab_size: int = QWEN_VOCAB
-    # The share of misses after which a draft is ready at once, as if the drafter had
-    # drafted the line after its runner-up while the server verified (multi-outcome
-    # drafting, not built in the engine): an upper bound on what such lines can gain
-    # at that runner-up hit rate, with their drafting time taken as hidden.
+    # The share of wrong drafts whose runner-up is the target's token (the rest get
+    # another wrong runner-up): what the engine's runner-up lines can hit.
     runner_up_hits: float = 0.0
 
     def __post_init__(self) -> None:
@@ -203,6 +202,19 @@ def runner_up_hit(config: OracleConfig, ref: Reference, position: int) -> bool:
     return (h >> 11) / float(1 << 53) < config.runner_up_hits
 
 
+def oracle_runner_up(config: OracleConfig, ref: Reference, position: int) -> int:
+    """The oracle's second choice at `position`: the target's token where its draft there
+    is wrong and the runner-up hits (`runner_up_hit`), else a token that is neither."""
+    truth = ref.continuation[position]
+    drafted = drafted_token(config, ref, position)
+    if drafted != truth and runner_up_hit(config, ref, position):
+        return truth
+    other = (drafted + 1) % config.vocab_size
+    if other == truth:
+        other = (other + 1) % config.vocab_size
+    return other
+
+
 class OracleDraftSession:
     def __init__(self, model: OracleDraftModel) -> None:
         self._model = model
@@ -210,7 +222,6 @@ class OracleDraftSession:
         self._ref: Reference | None = None  # the reference the prompt belongs to
         self._on_path = 0  # leading tokens of the sequence that lie on _ref
         self._synced = 0  # length of the sequence given by the last sync (the rest: drafts)
-        self._covered = False  # drafts since the sync come ready (runner_up_hits)
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -225,7 +236,6 @@ class OracleDraftSession:
             reused = common_prefix_length(old, new)
         self._tokens = new
         self._synced = len(new)
-        self._covered = False
         if self._ref is not None:
             self._on_path = self._ref.matched(new, min(self._on_path, reused))
         return SyncStats(reused=reused, appended=len(new) - reused)
@@ -268,9 +278,7 @@ class OracleDraftSession:
             return draft
         ref, position = found
         config = self._model.config
-        if len(self._tokens) == self._synced:  # the first draft since the sync
-            self._covered = self._after_covered_miss(ref, position)
-        delay_s = 0.0 if self._covered else config.delay_ms / 1e3
+        delay_s = config.delay_ms / 1e3
         for step in range(min(k, len(ref.continuation) - position)):
             if cancel is not None and cancel.cancelled:
                 break
@@ -279,29 +287,15 @@ class OracleDraftSession:
             token = drafted_token(config, ref, position + step)
             draft.tokens.append(token)
             draft.probs.append(1.0)
-            if draft.dists is not None:  # a point mass: the target accepts with p(x)
+            if draft.dists is None:
+                draft.runner_ups.append(oracle_runner_up(config, ref, position + step))
+            else:  # a point mass: the target accepts with p(x)
                 draft.dists.append(
                     SparseDist(np.array([token], np.int64), np.array([1.0], np.float64))
                 )
         self._tokens.extend(draft.tokens)
         self._on_path = ref.matched(self._tokens, self._on_path)
         return draft
-
-    def _after_covered_miss(self, ref: Reference, position: int) -> bool:
-        """Drafting after a sync whose last token corrected the oracle's own wrong draft
-        there (a rejection, or a bonus token its line guessed wrong), and the runner-up
-        was that token: the line after it would have been drafted while the server
-        verified (`OracleConfig.runner_up_hits`), all its tokens (the engine drafts
-        them one call at a time, until the next sync)."""
-        last = position - 1
-        if last < 0:
-            return False
-        truth = ref.continuation[last]
-        return (
-            self._tokens[-1] == truth
-            and drafted_token(self._model.config, ref, last) != truth
-            and runner_up_hit(self._model.config, ref, last)
-        )
 
     def next_logits(self) -> np.ndarray:
         logits = np.full(self._model.config.vocab_size, -30.0, dtype=np.float32)

@@ -67,12 +67,16 @@ class Draft:
     probs[i] is the draft's probability of tokens[i]: the plain softmax at
     temperature 1 in greedy mode (a confidence for choosing k), the probability
     under the sampling chain in sampling mode. dists[i] is the whole draft
-    distribution q at position i in sampling mode, else None.
+    distribution q at position i in sampling mode, else None. runner_ups[i] is the
+    greedy draft's second choice at position i, where the drafter offers one (empty
+    where it does not): the engine drafts the line after it for the case the target
+    rejects tokens[i].
     """
 
     tokens: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
     dists: list[SparseDist] | None = None
+    runner_ups: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -31,6 +31,21 @@ def greedy_choice(logits: np.ndarray) -> tuple[int, float]:
     return token, 1.0 / float(weights.sum())
 
 
+def runner_up(logits: np.ndarray, token: int) -> int:
+    """The best token after `token` (the argmax) in `logits`."""
+    if logits.shape[0] < 2:
+        return token
+    if not logits.flags.writeable:
+        top2 = np.argpartition(logits, -2)[-2:]
+        return int(top2[0] if int(top2[1]) == token else top2[1])
+    best = logits[token]
+    logits[token] = -np.inf  # restored below: one more argmax, no sort of the vocabulary
+    try:
+        return int(np.argmax(logits))
+    finally:
+        logits[token] = best
+
+
 def sampling_distribution(logits: np.ndarray, params: SamplingParams) -> SparseDist:
     """The distribution left after llama.cpp's top_k -> top_p -> min_p -> temperature."""
     logits = np.asarray(logits, dtype=np.float64)
@@ -98,9 +113,10 @@ def draft_next(
     draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None
 ) -> int:
     """Choose the token after `logits` and append it to `draft` with its probability
-    and, in sampling mode, its distribution."""
+    and its runner-up (greedy) or its distribution (sampling)."""
     if params.greedy:
         token, prob = greedy_choice(logits)
+        draft.runner_ups.append(runner_up(logits, token))
     else:
         token, prob, dist = choose_token(logits, params, rng)
         if draft.dists is not None and dist is not None:

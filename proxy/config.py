@@ -50,6 +50,12 @@ class ProxySettings(BaseSettings):
         description="start the next round's draft as soon as a verify result is back, while "
         "the proxy commits the round's tokens (else when the next round starts)",
     )
+    runner_up_lines: bool = Field(
+        True,
+        description="while the server verifies and time is left, also draft the lines after "
+        "the draft's runner-ups at its likeliest misses, so that the round after such a miss "
+        "finds its draft ready",
+    )
     slot_file_reuse: bool = Field(
         True,
         description="a generation restores the slot file it saved earlier, as it is, where "

@@ -138,6 +138,16 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
+        ("--runner-up-lines",),
+        {
+            "choices": ["on", "off"],
+            "dest": "runner_up_lines",
+            "help": "on: while the server verifies and time is left, also draft the lines "
+            "after the draft's runner-ups at its likeliest misses; off: only the line with "
+            "every draft accepted (default: %(default)s)",
+        },
+    ),
+    (
         ("--slot-file-reuse",),
         {
             "choices": ["on", "off"],

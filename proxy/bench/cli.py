@@ -139,9 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float_list,
         default=[0.0],
         metavar="H[,H...]",
-        help="the share of misses after which the oracle's next draft is ready at once, as "
-        "if the line after its runner-up had been drafted during the verify: the most "
-        "multi-outcome drafting could gain at that hit rate (default 0: none)",
+        help="the share of the oracle's wrong drafts whose runner-up is the target's token "
+        "(the engine drafts the lines after runner-ups while the server verifies, "
+        "--runner-up-lines); default 0: none",
     )
     parser.add_argument(
         "--oracle-branches",

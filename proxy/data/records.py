@@ -53,6 +53,9 @@ class RoundRecord:
     fresh_tokens: int = 0
     fresh_ms: float = 0.0
     resynced: bool = False
+    # its draft came ready from a line drafted after the runner-up at the last round's
+    # miss (proxy.engine.drafting.RunnerUpLines)
+    runner_up_line: bool = False
     n_run_tokens: int = 0  # a plain run's tokens, also those past where the output stopped
     # a plain run during which the drafter worked in the background (a timing draft, its
     # prefill of the context): on a CPU drafter that slows the server's own host threads,

@@ -124,6 +124,7 @@ class Generation:
             self.background,
             self.request_id,
             self.observer,
+            settings.runner_up_lines,
         )
         slots = SlotCopies(
             self.replicator, self.slot_file, len(self.prompt), policies.draft_length.slots_to_copy

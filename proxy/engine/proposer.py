@@ -9,7 +9,9 @@ A `Proposer` serves one generation. The rounds ask it:
   result is back): draft it now, while the proxy commits this round (greedy, with early
   drafts on).
 - `draft_ahead(n_drafted)`: while the server verifies, keep drafting the line as if
-  every draft is accepted, where the overlap policy says; `stop_ahead` ends it.
+  every draft is accepted, where the overlap policy says, then (`runner_up_lines`) the
+  lines after the draft's runner-ups at the likeliest misses, while the verify time
+  measured so far leaves room; `stop_ahead` ends it.
 - `time_drafter(committed, k, report)`: while the server decodes alone, draft only to
   learn the drafter's speed.
 
@@ -19,11 +21,9 @@ counts a failure. A draft that fails (`_run_draft`) drops the drafter, so the re
 the generation is plain decoding, lossless either way; drafting ahead that fails is
 logged, and the next draft goes on with what the line holds.
 
-Multi-outcome drafting (issue 29) fits the same two calls: `prepare` is told the
-committed sequence a round may end with and `draft` takes the prepared draft whose
-sequence matches the one committed; preparing several candidate sequences (all
-accepted; j accepted, then the runner-up) means keeping one prepared draft per
-candidate (one drafter line each, or a batch of lines) instead of the one kept now.
+Multi-outcome drafting (issue 29): `draft` after a miss takes the runner-up line
+drafted ahead where the committed sequence ends on that runner-up
+(`proxy.engine.drafting.RunnerUpLines`), else drafts fresh as before.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from npu_draft.protocol import CancelToken, Draft, SamplingParams, SparseDist
 from proxy.data.records import RoundObserver
 from proxy.engine.acceptance import Dists
 from proxy.engine.background import BackgroundTasks
-from proxy.engine.drafting import AsyncDrafter, GreedyDraft
+from proxy.engine.drafting import AsyncDrafter, GreedyDraft, RunnerUpLines
 from proxy.policies import Policies
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,10 @@ T = TypeVar("T")
 # a draft, its q in sampling mode, and the ms the round waited for it
 DraftOutcome = tuple[GreedyDraft, Dists, float]
 _BUSY_MIN_S = 0.02  # background drafting shorter than this disturbs no plain run
+# runner-up lines end by this share of the verify time measured so far (a line still
+# drafting when the result is back delays the next draft by its step)
+_LINES_SHARE = 0.85
+_VERIFY_WEIGHT = 0.3  # the moving average's weight of the newest verification
 
 
 class DraftGuard(Protocol):
@@ -97,8 +101,10 @@ class Proposer:
         background: BackgroundTasks | None = None,
         request_id: str = "-",
         observer: RoundObserver | None = None,
+        runner_up_lines: bool = True,
     ) -> None:
         self.drafter = drafter
+        self.runner_up_lines = runner_up_lines
         self.policies = policies
         self.early_draft = early_draft
         self.sampled = sampled
@@ -112,6 +118,9 @@ class Proposer:
         self._ahead_cancel: CancelToken | None = None
         # when the current (or last) drafting ahead started and ended (perf_counter s)
         self._ahead_span: tuple[float, float | None] | None = None
+        # the moving average of a verification's wall time (drafting ahead's start to
+        # its stop), which bounds the runner-up lines
+        self._verify_s: float | None = None
         # a draft made only to time the drafter, and when it ran (perf_counter s)
         self._timing: asyncio.Task[DraftOutcome] | None = None
         self._timing_span: tuple[float, float | None] | None = None
@@ -153,8 +162,20 @@ class Proposer:
         chosen = self.policies.overlap.decide(self.can_draft_ahead)
         if chosen:  # the bonus guess and the next round's drafts
             draft_length = self.policies.draft_length
-            self._start_ahead(lambda: draft_length.decide(True, upcoming=1)[0] + 1)
+
+            def plan() -> tuple[int, RunnerUpLines | None]:
+                next_k = draft_length.decide(True, upcoming=1)[0]
+                return next_k + 1, self._lines(n_drafted, next_k)
+
+            self._start_ahead(plan)
         return chosen
+
+    def _lines(self, n_drafted: int, next_k: int) -> RunnerUpLines | None:
+        """The runner-up lines a verification of `n_drafted` drafts leaves room for."""
+        if not self.runner_up_lines or self._verify_s is None or next_k <= 0:
+            return None
+        until = time.perf_counter() + _LINES_SHARE * self._verify_s
+        return RunnerUpLines(pending=n_drafted, length=next_k, most=n_drafted + 1, until=until)
 
     async def stop_ahead(self) -> None:
         """Stop drafting ahead (it ends after the token in progress) and wait for it."""
@@ -162,6 +183,10 @@ class Proposer:
             return
         assert self._ahead_cancel is not None
         self._ahead_cancel.cancel()
+        if self._ahead_span is not None:  # the verification it ran beside is back
+            took = time.perf_counter() - self._ahead_span[0]
+            old = self._verify_s
+            self._verify_s = took if old is None else old + _VERIFY_WEIGHT * (took - old)
         ahead, self._ahead = self._ahead, None
         await asyncio.gather(ahead, return_exceptions=True)
 
@@ -290,9 +315,9 @@ class Proposer:
         drafted.tokens, drafted.probs = drafted.tokens[:k], drafted.probs[:k]
         return drafted, dists, (time.perf_counter() - started) * 1e3
 
-    def _start_ahead(self, n_tokens: Callable[[], int]) -> None:
-        """Keep drafting the line as if all is accepted: `n_tokens()` more (asked when
-        drafting starts)."""
+    def _start_ahead(self, plan: Callable[[], tuple[int, RunnerUpLines | None]]) -> None:
+        """Keep drafting the line as if all is accepted, then the runner-up lines:
+        `plan()` says how many tokens and which lines (asked when drafting starts)."""
         drafter = self.drafter
         assert drafter is not None
         self._ahead_cancel = cancel = CancelToken()
@@ -301,8 +326,12 @@ class Proposer:
 
         async def run() -> None:
             try:
-                n_max = n_tokens()
-                await self._guarded(drafter.extend(n_max, cancel), n_max, lambda _made: [])
+                n_max, lines = plan()
+                if lines is None:  # a drafter may offer no lines (`DrafterBase`)
+                    call = drafter.extend(n_max, cancel)
+                else:
+                    call = drafter.extend(n_max, cancel, lines)
+                await self._guarded(call, n_max, lambda _made: [])
             except asyncio.CancelledError:
                 raise
             except Exception:

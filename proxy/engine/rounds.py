@@ -318,6 +318,7 @@ class Rounds:
             fresh_tokens=drafted.fresh,
             fresh_ms=drafted.fresh_ms,
             resynced=drafted.resynced,
+            runner_up_line=drafted.runner_up_line,
             drafted_ahead=round_.drafted_ahead,
         )
         loop.last_back = round_.verify_back

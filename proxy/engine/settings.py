@@ -33,6 +33,8 @@ class EngineSettings:
     # greedy: start the next round's draft as soon as the verify result is known, behind
     # the proxy's own work on the round (else when the next round starts)
     early_draft: bool = True
+    # greedy, drafting ahead: also the lines after the runner-ups at the likeliest misses
+    runner_up_lines: bool = True
     check_decodes: bool = False  # count the server's decodes per round; warn when not one
     strict_decodes: bool = False  # ... and fail the generation instead (implies checking)
     # speculate or let the server decode alone, measured (proxy.policies.plain_runs); off
@@ -55,6 +57,7 @@ class EngineSettings:
             draft_length=settings.draft_length,
             overlap=settings.overlap,
             early_draft=settings.early_draft,
+            runner_up_lines=settings.runner_up_lines,
             check_decodes=settings.check_decodes,
             strict_decodes=settings.strict_decodes,
             plain_runs=settings.plain_runs,

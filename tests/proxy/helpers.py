@@ -295,8 +295,8 @@ class RecordingDrafter(DrafterBase):
         self.drafts[len(committed)] = list(out.tokens)
         return out
 
-    async def extend(self, n_max: int, cancel: Any) -> int:
-        return await self._inner.extend(n_max, cancel)
+    async def extend(self, n_max: int, cancel: Any, *lines: Any) -> int:
+        return await self._inner.extend(n_max, cancel, *lines)
 
     async def draft_sampled(self, committed: Sequence[int], k: int, sampling: Any, rng: Any):
         return await self._inner.draft_sampled(committed, k, sampling, rng)

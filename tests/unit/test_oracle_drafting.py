@@ -99,28 +99,31 @@ def _missed(model: OracleDraftModel, covered: bool) -> int:
     )  # fmt: skip
 
 
-def test_after_a_miss_its_runner_up_covered_the_next_draft_comes_ready(monkeypatch):
-    """runner_up_hits: after a miss whose correction was the drafter's runner-up, the
-    whole next draft (token by token until the next sync) costs no time, as a line
-    drafted during the verify would; after one it did not cover, each token costs the
-    delay, as after an accepted draft."""
+def test_each_draft_offers_a_runner_up_the_target_token_where_it_hits(monkeypatch):
+    """runner_up_hits: a wrong draft whose runner-up hits offers the target's token as
+    its runner-up; one that misses, and a right draft, offer a token that is neither
+    the target's nor the draft's. Every token costs the delay (the engine drafts the
+    runner-up lines itself, in its own time)."""
     slept = _sleeps(monkeypatch)
     model = _hits_model(0.5)
+    ref = model.references[0]
     session = model.open_session()
     for covered in (True, False):
         miss = _missed(model, covered)
-        session.sync(PROMPT + TRUTH[: miss + 1])  # the correction committed
+        session.sync(PROMPT + TRUTH[:miss])
         slept.clear()
-        drafts = [session.propose(1).tokens[0] for _ in range(3)]
-        assert len(slept) == (0 if covered else 3)
-        ref = model.references[0]
-        assert drafts == [drafted_token(model.config, ref, miss + 1 + i) for i in range(3)]
-    ref = model.references[0]
+        draft = session.propose(2)
+        assert slept == [0.011, 0.011]
+        assert draft.tokens[0] == drafted_token(model.config, ref, miss) != TRUTH[miss]
+        if covered:
+            assert draft.runner_ups[0] == TRUTH[miss]
+        else:
+            assert draft.runner_ups[0] not in (TRUTH[miss], draft.tokens[0])
     hit = next(p for p in range(len(TRUTH)) if drafted_token(model.config, ref, p) == TRUTH[p])
-    session.sync(PROMPT + TRUTH[: hit + 1])  # its own draft accepted: nothing to cover
-    slept.clear()
-    session.propose(2)
-    assert slept == [0.011, 0.011]
+    session.sync(PROMPT + TRUTH[:hit])
+    draft = session.propose(1)
+    assert draft.tokens == [TRUTH[hit]] and draft.runner_ups[0] != TRUTH[hit]
+    assert len(draft.runner_ups) == len(draft.tokens)
 
 
 def test_runner_up_hits_cover_their_share_of_misses_and_none_by_default(monkeypatch):
