@@ -42,6 +42,10 @@
 #           of 4 prompts; 512 and 4k single turns over all 8 prompts; always speculating at
 #           512, every run checked exactly) on cores 0-7, and on 8-15 the same chats on the
 #           committed CUDA file and the Strix Halo 14B chats
+#   s20     start; then, side by side: the real CUDA 4k single turns with the defaults
+#           over all 8 prompts and the always-speculating gen-lru at 512 (2 repeats), every
+#           run checked exactly, on cores 0-7; on 8-15 the Strix Halo 14B single turns
+#           (2 repeats) and chats with runner-up lines on and off (oracle runner-up hits 0.42)
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -368,6 +372,35 @@ case "$STAGE" in
         --work-dir "/tmp/single-$ctx" -o "$OUT/h200-single8-$ctx.json" | tail -25 \
         || echo "single $ctx FAILED"
     done
+    taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+      --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru \
+      --modes plain,oracle -k 6 --repeats 2 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
+      --oracle-delay-steps 0.12 --proxy-variant 'spec=--plain-runs off' --exact-check all \
+      --work-dir /tmp/exact -o "$OUT/h200-spec-exact-gen-lru.json" | tail -25 \
+      || echo "exact FAILED"
+    wait
+    cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
+    ;;
+  s20)  # session 22's chain (see the list above)
+    bash scripts/h200_regime_run.sh start
+    ALL8=edit-rename,edit-bugfix,gen-lru,gen-cli,sum-incident,sum-paper,chat-travel,chat-explain
+    LINES=(--oracle-runner-up-hits 0.42 --proxy-variant 'nolines=--runner-up-lines off')
+    (
+      taskset -c 8-11 python3 -m proxy.cli bench --regime strix-halo-vulkan-14b "${STRIX[@]}" \
+        "${LINES[@]}" -n 128 --repeats 2 --work-dir /tmp/s14s \
+        -o "$OUT/h200-host-strix-14b-single-lines.json" | tail -14 || echo "strix single FAILED"
+    ) > /tmp/emu-a.log 2>&1 &
+    (
+      taskset -c 12-15 python3 -m proxy.cli bench --regime strix-halo-vulkan-14b "${STRIX[@]}" \
+        "${LINES[@]}" --turns 3 -n 400 --work-dir /tmp/s14c \
+        -o "$OUT/h200-host-strix-14b-chat-lines.json" | tail -14 || echo "strix chat FAILED"
+    ) > /tmp/emu-b.log 2>&1 &
+    taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+      --server-args='-ngl 99 -fa on' --context 4k -n 128 --prompt-ids "$ALL8" \
+      --modes plain,oracle -k 6 --repeats 1 --ceiling-ks none --oracle-acceptance 0.77 \
+      --oracle-delay-steps 0.12 --proxy-variant 'defaults=' --exact-check all \
+      --work-dir /tmp/single-4k -o "$OUT/h200-single8-4k.json" | tail -25 \
+      || echo "single 4k FAILED"
     taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
       --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru \
       --modes plain,oracle -k 6 --repeats 2 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
