@@ -49,6 +49,7 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.rounds = 0
         self.empty_draft_rounds = 0  # verify rounds the drafter proposed nothing for
+        self.runner_up_line_rounds = 0  # verify rounds whose draft a runner-up line held
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.reused_tokens = 0  # drafts that were ready from drafting ahead
@@ -81,6 +82,7 @@ class ProxyMetrics:
             return
         self.rounds += 1
         self.empty_draft_rounds += record.n_drafted == 0
+        self.runner_up_line_rounds += record.runner_up_line
         self.draft_tokens += record.n_drafted
         self.accepted_tokens += record.n_accepted
         self.reused_tokens += record.n_reused
@@ -150,6 +152,12 @@ COUNTERS = (
         "Verify rounds without a draft token (the drafter proposed nothing; for the bench's "
         "oracle: off every recorded path)",
         "empty_draft_rounds",
+    ),
+    (
+        "npu_spec_runner_up_line_rounds_total",
+        "Verify rounds after a miss whose draft came ready from the line drafted after the "
+        "draft's runner-up there (--runner-up-lines)",
+        "runner_up_line_rounds",
     ),
     ("npu_spec_draft_tokens_total", "Tokens proposed by the drafter", "draft_tokens"),
     ("npu_spec_accepted_tokens_total", "Draft tokens the target agreed with", "accepted_tokens"),

@@ -9,7 +9,7 @@ COLUMNS = [
     ("ideal (k)", 10), ("overlap (k)", 11), ("meas/ideal", 10), ("meas/overlap", 12),
     ("t_d ms", 6),
     ("TTFT ms", 8), ("t32 ms", 6), ("plain run", 9), ("accept", 6), ("acc/rnd", 7),
-    ("k/rnd", 5), ("empty", 5),
+    ("k/rnd", 5), ("empty", 5), ("ru", 3),
     ("a iid", 5),
     ("accept by position", 24),
     ("draft/verify/ovh ms", 20), ("srv ms", 6), ("tok in", 6), ("dec/rnd", 7),
@@ -70,6 +70,7 @@ def _row(entry: dict[str, Any]) -> list[str]:
         _f(s.get("accepted_per_round"), 2),
         _f(s.get("drafted_per_round"), 2),
         "-" if s.get("empty_draft_rounds") is None else str(s["empty_draft_rounds"]),
+        "-" if s.get("runner_up_line_rounds") is None else str(s["runner_up_line_rounds"]),
         _f(s.get("acceptance_iid"), 2),
         positions or "-",
         split,
@@ -129,7 +130,8 @@ def render_table(result: dict[str, Any]) -> str:
         "logits show to be a near-tie (gap < 0.02); dec/rnd: llama_decode calls per round "
         "(plain: per token); k/rnd: drafts per round (adaptive k chooses up to k); empty: "
         "rounds without a draft (the oracle: rounds off every recorded path, its reference "
-        "continuations and their near-tie branches); plain run: "
+        "continuations and their near-tie branches); ru: rounds after a miss whose draft "
+        "came ready from the line drafted after the runner-up (--runner-up-lines); plain run: "
         "share of the output llama-server decoded alone (the per-round columns and the cost "
         "model describe the speculative rounds only, so no meas/pred is given with plain runs).",
     ]

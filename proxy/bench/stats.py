@@ -56,6 +56,8 @@ def _proxy_counters(d: dict[str, float]) -> dict[str, Any]:
         # rounds the drafter proposed nothing for (the oracle: off every recorded path)
         "empty_draft_rounds": round(d.get("npu_spec_empty_draft_rounds_total", 0)),
         "drafted": round(d.get("npu_spec_draft_tokens_total", 0)),
+        # rounds after a miss whose draft a runner-up line held (--runner-up-lines)
+        "runner_up_line_rounds": round(d.get("npu_spec_runner_up_line_rounds_total", 0)),
         "accepted": round(d.get("npu_spec_accepted_tokens_total", 0)),
         "drafted_ahead": round(d.get("npu_spec_ahead_tokens_total", 0)),
         "drafted_per_position": per_position(d, "npu_spec_draft_tokens_per_position_total"),
@@ -215,6 +217,10 @@ def _round_counts(kind: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_round": _ratio(generated, rounds),
         # verify rounds without a draft: for the oracle, rounds off every recorded path
         "empty_draft_rounds": sum(r["stats"].get("empty_draft_rounds", 0) for r in runs)
+        if speculative
+        else None,
+        # rounds after a miss whose draft a runner-up line held (--runner-up-lines)
+        "runner_up_line_rounds": sum(r["stats"].get("runner_up_line_rounds", 0) for r in runs)
         if speculative
         else None,
         # share of the output the server decoded alone (proxy.plain_runs)

@@ -384,14 +384,16 @@ def test_metrics_render_and_parse():
     metrics = ProxyMetrics()
     metrics.observe_round(RoundRecord(4, 2, 3, 5.0, 20.0, 1.0, decodes=1))
     metrics.observe_round(RoundRecord(0, 0, 1, 0.0, 20.0, 1.0, decodes=1))  # nothing drafted
+    metrics.observe_round(RoundRecord(1, 1, 2, 0.0, 20.0, 1.0, decodes=1, runner_up_line=True))
     metrics.observe_round(RoundRecord(0, 0, 3, 0.0, 20.0, 1.0, plain_run=True))  # no round
     metrics.observe_generation(30, 1.5)
     values = parse_prometheus(metrics.render())
-    assert values["npu_spec_rounds_total"] == 2
+    assert values["npu_spec_rounds_total"] == 3
     assert values["npu_spec_empty_draft_rounds_total"] == 1
-    assert values["npu_spec_draft_tokens_total"] == 4
-    assert values["npu_spec_accepted_tokens_total"] == 2
-    assert values["npu_spec_verify_ms_count"] == 2
+    assert values["npu_spec_runner_up_line_rounds_total"] == 1
+    assert values["npu_spec_draft_tokens_total"] == 5
+    assert values["npu_spec_accepted_tokens_total"] == 3
+    assert values["npu_spec_verify_ms_count"] == 3
     page = metrics.render()
     assert 'npu_spec_accepted_tokens_per_position_total{position="1"} 1' in page
     assert 'npu_spec_accepted_tokens_per_position_total{position="2"} 0' in page
