@@ -127,7 +127,11 @@ class Generation:
             settings.runner_up_lines,
         )
         slots = SlotCopies(
-            self.replicator, self.slot_file, len(self.prompt), policies.draft_length.slots_to_copy
+            self.replicator,
+            self.slot_file,
+            len(self.prompt),
+            policies.draft_length.slots_to_copy,
+            self.prompt,
         )
         return Rounds(
             self.upstream, self.prompt, self.pieces, settings.k, rule, proposer, policies, slots,

@@ -46,9 +46,11 @@ class SlotReplicator:
         self.save_ms_per_token: float | None = None
         self.prefill_ms_per_token: float | None = None
         # copies that ended generations left in slots, by slot: that generation's
-        # context (a copy holds it or a prefix of it); and the slots generations in
-        # flight use, with how many of them (`clear_stale`)
+        # context (a copy holds it or a prefix of it) and how many of its tokens the
+        # slot holds; and the slots generations in flight use, with how many of them
+        # (`clear_stale`)
         self.left_copies: dict[int, Sequence[int]] = {}
+        self.left_holds: dict[int, int] = {}
         self.in_flight: Counter[int] = Counter()
 
     def worth_copying(self, n_fresh: int) -> bool:
@@ -196,6 +198,7 @@ class SlotReplicator:
                 await self.upstream.slot_action(id_slot, "erase", "")
                 erased.append(id_slot)
                 self.left_copies.pop(id_slot, None)  # nothing left there to clear
+                self.left_holds.pop(id_slot, None)
         except (UpstreamClientError, UpstreamError) as exc:
             log.info("emptying idle slots failed (%s); plain decoding may run slower", exc)
         return erased
@@ -233,10 +236,12 @@ class SlotCopies:
         slot_file: str,
         n_prompt: int,
         slots_to_copy: Callable[[], int],
+        prompt: Sequence[int] = (),
     ) -> None:
         self.replicator = replicator
         self.slot_file = slot_file
         self.n_prompt = n_prompt
+        self.prompt = prompt  # its tokens, to tell what earlier turns left in the slots
         self.slots_to_copy = slots_to_copy  # the draft-length policy's measured need
         # every slot this generation copied its context into or had a batch or run use,
         # and the one that holds the most of its committed context
@@ -302,10 +307,32 @@ class SlotCopies:
         if missing <= 0:
             return "refreshed" if await self.refresh(n_prompts, n_context) else ""
         copied = await self._copy(
-            self.fullest, missing, n_context - self.others_hold, keep=self.touched,
+            self.fullest, missing, self._untouched_lag(n_context), keep=self.touched,
             n_context=n_context,
         )  # fmt: skip
         return "copied" if copied else ""
+
+    def _untouched_lag(self, n_context: int) -> int:
+        """How far the idle slots this generation has not touched lag behind: taken as
+        what its first round found cached, unless an earlier turn of the conversation
+        left the one of them that holds the most of the prompt further behind (a slot
+        copied at that turn's cold start and unused since: ~430 tokens on the Strix Halo
+        14B chats, caught up at prefill speed inside the batch, 1.5 s) and the measured
+        rates say a copy costs less than that catch-up."""
+        lag = n_context - self.others_hold
+        replicator = self.replicator
+        if replicator is None or not self.prompt:
+            return lag
+        held = [
+            min(replicator.left_holds.get(id_slot, len(context)),
+                common_prefix_length(context, self.prompt))
+            for id_slot, context in replicator.left_copies.items()
+            if id_slot not in self.touched and id_slot not in replicator.in_flight
+        ]  # fmt: skip
+        if not held or max(held) >= self.others_hold:
+            return lag
+        behind = n_context - max(held)
+        return behind if replicator.refresh_pays(behind, n_context) else lag
 
     async def refresh(self, n_prompts: int, n_context: int) -> bool:
         """Before a batch of `n_prompts` prompts: the server gives them the slots that
@@ -381,6 +408,7 @@ class SlotCopies:
             for id_slot in fresh:
                 self.replicator.in_flight[id_slot] += 1
                 self.replicator.left_copies.pop(id_slot, None)
+                self.replicator.left_holds.pop(id_slot, None)
         self.touched |= fresh
 
     def leave(self, context: Sequence[int]) -> None:
@@ -398,8 +426,10 @@ class SlotCopies:
                 del replicator.in_flight[id_slot]
             if id_slot == self.fullest and len(self.touched) < 2:
                 replicator.left_copies.pop(id_slot, None)
+                replicator.left_holds.pop(id_slot, None)
             else:
                 replicator.left_copies[id_slot] = context
+                replicator.left_holds[id_slot] = self.holds.get(id_slot, len(context))
 
     async def release(self) -> list[int]:
         """Empty every slot this generation touched, the one holding its context too,

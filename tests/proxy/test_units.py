@@ -582,6 +582,40 @@ async def test_a_slot_left_behind_catches_up_in_the_batch_where_that_costs_less(
     assert server.actions[before:] == []
 
 
+@pytest.mark.parametrize(("prefill_ms_per_token", "copied"), [(4.0, "copied"), (0.074, "")])
+async def test_a_new_turn_copies_into_a_slot_an_earlier_turn_left_behind(
+    prefill_ms_per_token, copied
+):
+    """A chat's first turn filled slots 0-2 at its cold start (500 tokens) and then used
+    only 0 and 1 up to 900. The next turn (920 prompt tokens, 900 cached) runs in 0 and 1;
+    its first 3-prompt round would send slot 2 to catch up on 430 tokens inside the
+    batch. At the Strix Halo rates a copy costs less, so slot 0 is copied first; at the
+    H200's the catch-up is cheaper and nothing changes."""
+    server = SlotServer()
+    first = copies_after_a_cold_fill(server, prefill_ms_per_token)
+    await first.after_first_round(0, n_cached=0)  # a save: its rate measured
+    first.used([0, 1, 2], fullest=0, holds={0: 500, 1: 500, 2: 500})
+    first.used([0, 1], fullest=0, holds={0: 900, 1: 899})
+    context = list(range(900))
+    first.leave(context)
+    assert first.replicator.left_holds == {0: 900, 1: 899, 2: 500}
+    from proxy.engine.slot_copies import SlotCopies
+
+    turn = SlotCopies(first.replicator, "f.bin", 920, lambda: 1, [*context, *range(20)])
+    server.n_saved = 920
+    await turn.after_first_round(0, n_cached=900)  # 20 new tokens: no copy
+    turn.used([0, 1], fullest=0, holds={0: 925, 1: 925})
+    before = len(server.actions)
+    assert await turn.warm_for(3, 930) == copied
+    expected = [(0, "save"), (2, "restore")] if copied else []
+    assert server.actions[before:] == expected
+    # a prompt that does not go on from what was left: the first turn's rule
+    other = SlotCopies(first.replicator, "f.bin", 920, lambda: 1, list(range(5000, 5920)))
+    await other.after_first_round(3, n_cached=900)
+    other.used([3, 4], fullest=3, holds={3: 925, 4: 925})
+    assert other._untouched_lag(930) == 30
+
+
 async def test_a_later_copy_restores_the_generations_own_file_where_a_new_save_costs_more():
     """H200 rates (save 0.150 ms a token, prefill 0.074 a token and slot): at 4k a
     second save costs 0.6 s, while two slots prefilling the 100 tokens the first
