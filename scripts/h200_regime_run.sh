@@ -86,6 +86,25 @@ use_vulkan() {  # after vulkan-build: its run-time exports, and $vk, the binary
   vk="$(cat /tmp/vk.bin)"
 }
 
+single8_defaults() {  # CTX: the real CUDA single turns with the defaults over all 8
+  # prompts, every run checked exactly (cores 0-7)
+  taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+    --server-args='-ngl 99 -fa on' --context "$1" -n 128 \
+    --prompt-ids edit-rename,edit-bugfix,gen-lru,gen-cli,sum-incident,sum-paper,chat-travel,chat-explain \
+    --modes plain,oracle -k 6 --repeats 1 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
+    --oracle-delay-steps 0.12 --proxy-variant 'defaults=' --exact-check all \
+    --work-dir "/tmp/single-$1" -o "$OUT/h200-single8-$1.json" | tail -25 \
+    || echo "single $1 FAILED"
+}
+exact_gen_lru() {  # always speculating, gen-lru at 512, 2 repeats, checked exactly (cores 0-7)
+  taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+    --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru \
+    --modes plain,oracle -k 6 --repeats 2 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
+    --oracle-delay-steps 0.12 --proxy-variant 'spec=--plain-runs off' --exact-check all \
+    --work-dir /tmp/exact -o "$OUT/h200-spec-exact-gen-lru.json" | tail -25 \
+    || echo "exact FAILED"
+}
+
 case "$STAGE" in
   start)
     install_sources
@@ -347,7 +366,6 @@ case "$STAGE" in
     ;;
   s19)  # session 19's chain (see the list above): the drafts checked beside plain runs
     bash scripts/h200_regime_run.sh start
-    ALL8=edit-rename,edit-bugfix,gen-lru,gen-cli,sum-incident,sum-paper,chat-travel,chat-explain
     CHAT4=(--context 512 --turns 3 -n 400 --prompt-ids gen-lru,chat-travel,gen-cli,chat-explain
       --modes plain,oracle -k 6 --repeats 1 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77
       --oracle-delay-steps 0.12 --proxy-variant 'defaults=')
@@ -364,26 +382,13 @@ case "$STAGE" in
     taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
       --server-args='-ngl 99 -fa on' "${CHAT4[@]}" --work-dir /tmp/chat1 \
       -o "$OUT/h200-chat4.json" | tail -25 || echo "chat FAILED"
-    for ctx in 512 4k; do
-      taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
-        --server-args='-ngl 99 -fa on' --context "$ctx" -n 128 --prompt-ids "$ALL8" \
-        --modes plain,oracle -k 6 --repeats 1 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
-        --oracle-delay-steps 0.12 --proxy-variant 'defaults=' --exact-check all \
-        --work-dir "/tmp/single-$ctx" -o "$OUT/h200-single8-$ctx.json" | tail -25 \
-        || echo "single $ctx FAILED"
-    done
-    taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
-      --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru \
-      --modes plain,oracle -k 6 --repeats 2 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
-      --oracle-delay-steps 0.12 --proxy-variant 'spec=--plain-runs off' --exact-check all \
-      --work-dir /tmp/exact -o "$OUT/h200-spec-exact-gen-lru.json" | tail -25 \
-      || echo "exact FAILED"
+    for ctx in 512 4k; do single8_defaults "$ctx"; done
+    exact_gen_lru
     wait
     cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
     ;;
   s20)  # session 22's chain (see the list above)
     bash scripts/h200_regime_run.sh start
-    ALL8=edit-rename,edit-bugfix,gen-lru,gen-cli,sum-incident,sum-paper,chat-travel,chat-explain
     LINES=(--oracle-runner-up-hits 0.42 --proxy-variant 'nolines=--runner-up-lines off')
     (
       taskset -c 8-11 python3 -m proxy.cli bench --regime strix-halo-vulkan-14b "${STRIX[@]}" \
@@ -395,18 +400,8 @@ case "$STAGE" in
         "${LINES[@]}" --turns 3 -n 400 --work-dir /tmp/s14c \
         -o "$OUT/h200-host-strix-14b-chat-lines.json" | tail -14 || echo "strix chat FAILED"
     ) > /tmp/emu-b.log 2>&1 &
-    taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
-      --server-args='-ngl 99 -fa on' --context 4k -n 128 --prompt-ids "$ALL8" \
-      --modes plain,oracle -k 6 --repeats 1 --ceiling-ks none --oracle-acceptance 0.77 \
-      --oracle-delay-steps 0.12 --proxy-variant 'defaults=' --exact-check all \
-      --work-dir /tmp/single-4k -o "$OUT/h200-single8-4k.json" | tail -25 \
-      || echo "single 4k FAILED"
-    taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
-      --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru \
-      --modes plain,oracle -k 6 --repeats 2 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
-      --oracle-delay-steps 0.12 --proxy-variant 'spec=--plain-runs off' --exact-check all \
-      --work-dir /tmp/exact -o "$OUT/h200-spec-exact-gen-lru.json" | tail -25 \
-      || echo "exact FAILED"
+    single8_defaults 4k  # as run on 2026-12-03 this cell had --ceiling-ks none: refused
+    exact_gen_lru
     wait
     cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
     ;;

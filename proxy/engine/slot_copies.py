@@ -332,7 +332,10 @@ class SlotCopies:
         if not held or max(held) >= self.others_hold:
             return lag
         behind = n_context - max(held)
-        return behind if replicator.refresh_pays(behind, n_context) else lag
+        if not replicator.refresh_pays(behind, n_context):
+            return lag
+        log.info("an earlier turn left the idle slots %d tokens behind: copying", behind)
+        return behind
 
     async def refresh(self, n_prompts: int, n_context: int) -> bool:
         """Before a batch of `n_prompts` prompts: the server gives them the slots that

@@ -50,12 +50,15 @@ class CountingSession:
         for _ in range(k):
             if cancel is not None and cancel.cancelled:
                 break
-            token = next_token(self._tokens)
-            self._tokens.append(token)
-            draft.tokens.append(token)
-            draft.probs.append(self.prob)
+            self.draft_one(draft)
+            self._tokens.append(draft.tokens[-1])
             self.computed += 1
         return draft
+
+    def draft_one(self, draft: Draft) -> None:
+        """Append the next token after the sequence (and its p) to `draft`."""
+        draft.tokens.append(next_token(self._tokens))
+        draft.probs.append(self.prob)
 
     def next_logits(self) -> np.ndarray:
         raise NotImplementedError

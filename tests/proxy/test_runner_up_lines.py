@@ -8,12 +8,11 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
-from npu_draft.protocol import GREEDY, CancelToken, Draft, SamplingParams, SyncStats
+from npu_draft.protocol import CancelToken, Draft, SyncStats
 from proxy.engine import EngineSettings
 from proxy.engine.drafting import AsyncSessionDrafter, GreedyDraft, RunnerUpLines, always
 from proxy.engine.proposer import Proposer
+from tests.proxy.test_overlap_units import CountingSession
 
 
 def best(tokens: Sequence[int]) -> int:
@@ -24,48 +23,24 @@ def second(tokens: Sequence[int]) -> int:
     return (best(tokens) + 1) % 97
 
 
-class RunnerUpSession:
+class RunnerUpSession(CountingSession):
     """Greedy draft and runner-up: fixed functions of the sequence; p by position after
-    the prompt (`probs`, else 0.9); counts the tokens it drafts."""
+    the prompt (`probs`, else 0.9); counts the tokens it drafts and keeps what it was
+    synced to."""
 
     def __init__(self, probs: dict[int, float] | None = None) -> None:
-        self._tokens: list[int] = []
+        super().__init__()
         self.probs = probs or {}
-        self.proposed = 0
         self.synced: list[list[int]] = []
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        return self._tokens
 
     def sync(self, tokens: Sequence[int]) -> SyncStats:
         self.synced.append(list(tokens))
-        self._tokens = list(tokens)
-        return SyncStats(reused=0, appended=len(tokens))
+        return super().sync(tokens)
 
-    def propose(
-        self,
-        k: int,
-        sampling: SamplingParams = GREEDY,
-        rng: np.random.Generator | None = None,
-        cancel: CancelToken | None = None,
-    ) -> Draft:
-        draft = Draft()
-        for _ in range(k):
-            if cancel is not None and cancel.cancelled:
-                break
-            draft.tokens.append(best(self._tokens))
-            draft.runner_ups.append(second(self._tokens))
-            draft.probs.append(self.probs.get(len(self._tokens), 0.9))
-            self._tokens.append(draft.tokens[-1])
-            self.proposed += 1
-        return draft
-
-    def next_logits(self) -> np.ndarray:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
+    def draft_one(self, draft: Draft) -> None:
+        draft.tokens.append(best(self._tokens))
+        draft.runner_ups.append(second(self._tokens))
+        draft.probs.append(self.probs.get(len(self._tokens), 0.9))
 
 
 def line_after(committed: Sequence[int], n: int) -> list[int]:
@@ -94,11 +69,11 @@ async def test_the_round_after_a_runner_up_miss_takes_its_draft_ready():
             assert await drafter.extend(2, CancelToken(), lines(pending=1)) == 2
             accepted = committed + line_after(committed, miss_at)
             after_miss = [*accepted, second(accepted)]
-            proposed, synced = session.proposed, len(session.synced)
+            proposed, synced = session.computed, len(session.synced)
             ready = await drafter.draft(after_miss, 1, always)
             assert ready.tokens == line_after(after_miss, 1)
             assert ready.runner_up_line and ready.reused == 1 and ready.fresh == 0
-            assert (session.proposed, len(session.synced)) == (proposed, synced)
+            assert (session.computed, len(session.synced)) == (proposed, synced)
             # drafting on from the runner-up line: the session goes back to it first
             longer = await drafter.draft(after_miss, 3, always)
             assert longer.tokens == line_after(after_miss, 3) and longer.fresh == 2
@@ -117,10 +92,10 @@ async def test_the_all_accepted_line_stays_ready_after_runner_up_lines():
         await drafter.extend(3, CancelToken(), lines(pending=2))
         hit = committed + line_after(committed, 3)  # both accepted, bonus as guessed
         assert first.tokens == line_after(committed, 2)
-        proposed = session.proposed
+        proposed = session.computed
         taken = await drafter.draft(hit, 4, always)
         assert taken.tokens == line_after(hit, 4)
-        assert taken.reused == 2 and session.proposed == proposed + 2
+        assert taken.reused == 2 and session.computed == proposed + 2
         assert not taken.runner_up_line
     finally:
         await drafter.close()
