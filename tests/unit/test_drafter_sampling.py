@@ -95,3 +95,18 @@ def test_choose_token_greedy_has_no_distribution() -> None:
     token, prob, dist = choose_token(np.array([0.0, 5.0]), SamplingParams(), None)
     assert (token, dist) == (1, None)
     assert 0.99 < prob < 1.0
+
+
+def test_a_greedy_draft_carries_its_runner_up_and_leaves_the_logits_as_they_were():
+    from npu_draft.protocol import GREEDY, Draft
+    from npu_draft.sampling import draft_next, runner_up
+
+    logits = np.array([0.1, 3.0, -1.0, 2.5, 2.9], dtype=np.float32)
+    before = logits.copy()
+    draft = Draft()
+    assert draft_next(draft, logits, GREEDY, None) == 1
+    assert draft.runner_ups == [4] and np.array_equal(logits, before)
+    frozen = before.copy()
+    frozen.flags.writeable = False  # an output buffer it may not write
+    assert runner_up(frozen, 1) == 4
+    assert runner_up(np.array([5.0, 1.0, 4.0], dtype=np.float32), 0) == 2
