@@ -202,11 +202,11 @@ def runner_up_hit(config: OracleConfig, ref: Reference, position: int) -> bool:
     return (h >> 11) / float(1 << 53) < config.runner_up_hits
 
 
-def oracle_runner_up(config: OracleConfig, ref: Reference, position: int) -> int:
-    """The oracle's second choice at `position`: the target's token where its draft there
-    is wrong and the runner-up hits (`runner_up_hit`), else a token that is neither."""
+def oracle_runner_up(config: OracleConfig, ref: Reference, position: int, drafted: int) -> int:
+    """The oracle's second choice at `position`, where it drafted `drafted`: the target's
+    token where that draft is wrong and the runner-up hits (`runner_up_hit`), else a
+    token that is neither."""
     truth = ref.continuation[position]
-    drafted = drafted_token(config, ref, position)
     if drafted != truth and runner_up_hit(config, ref, position):
         return truth
     other = (drafted + 1) % config.vocab_size
@@ -288,7 +288,7 @@ class OracleDraftSession:
             draft.tokens.append(token)
             draft.probs.append(1.0)
             if draft.dists is None:
-                draft.runner_ups.append(oracle_runner_up(config, ref, position + step))
+                draft.runner_ups.append(oracle_runner_up(config, ref, position + step, token))
             else:  # a point mass: the target accepts with p(x)
                 draft.dists.append(
                     SparseDist(np.array([token], np.int64), np.array([1.0], np.float64))

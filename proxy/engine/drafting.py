@@ -135,6 +135,10 @@ class DrafterBase(ABC):
     async def close(self) -> None: ...
 
 
+# a runner-up line's tokens, their p and their runner-ups
+_Drafted = tuple[list[int], list[float], list[int]]
+
+
 class _Line:
     """The drafted line the session holds: the whole sequence, of which `seq[:start]`
     was committed when the line was last rebased, and the draft's p and runner-up (-1:
@@ -237,10 +241,6 @@ class _Line:
             ups = list(draft.runner_ups) if len(draft.runner_ups) == n else [-1] * n
             probs = list(draft.probs) if len(draft.probs) == n else [1.0] * n
             self.branches[(fork, token)] = ([int(t) for t in draft.tokens], probs, ups)
-
-
-# a runner-up line's tokens, their p and their runner-ups
-_Drafted = tuple[list[int], list[float], list[int]]
 
 
 def _same(have: Sequence[int], committed: Sequence[int], start: int) -> bool:
