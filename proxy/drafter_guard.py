@@ -89,7 +89,10 @@ class DrafterSupervisor:
         and re-raise any failure (the proposer then drops the drafter: plain decoding
         for the rest of the request)."""
         try:
-            answer = await asyncio.wait_for(call, self.propose_timeout_s)
+            # inline in the awaiting task (`wait_for` on Python 3.11 wraps the call in a
+            # task of its own, one more turn of the event loop before the drafter starts)
+            async with asyncio.timeout(self.propose_timeout_s):
+                answer = await call
             tokens = tokens_of(answer)
             n_vocab = self.n_vocab
             if n_vocab is not None and any(

@@ -46,6 +46,11 @@
 #           over all 8 prompts and the always-speculating gen-lru at 512 (2 repeats), every
 #           run checked exactly, on cores 0-7; on 8-15 the Strix Halo 14B single turns
 #           (2 repeats) and chats with runner-up lines on and off (oracle runner-up hits 0.42)
+#   s21     start; then, side by side: the real CUDA 4k single turns with the defaults
+#           over all 8 prompts and the always-speculating gen-lru at 512 (2 repeats), every
+#           run checked exactly, on cores 0-7; on 8-11 the Strix Halo 14B then 32B single
+#           turns (2 repeats each), on 12-15 the Strix Halo 14B chats (defaults, runner-up
+#           hits 0.42)
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -401,6 +406,26 @@ case "$STAGE" in
         -o "$OUT/h200-host-strix-14b-chat-lines.json" | tail -14 || echo "strix chat FAILED"
     ) > /tmp/emu-b.log 2>&1 &
     single8_defaults 4k  # as run on 2026-12-03 this cell had --ceiling-ks none: refused
+    exact_gen_lru
+    wait
+    cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
+    ;;
+  s21)  # session 23's chain (see the list above)
+    bash scripts/h200_regime_run.sh start
+    HITS=(--oracle-runner-up-hits 0.42)
+    (
+      for size in 14b 32b; do
+        taskset -c 8-11 python3 -m proxy.cli bench --regime "strix-halo-vulkan-$size" \
+          "${STRIX[@]}" "${HITS[@]}" -n 128 --repeats 2 --work-dir "/tmp/s-$size" \
+          -o "$OUT/h200-host-strix-$size-single.json" | tail -14 || echo "strix $size FAILED"
+      done
+    ) > /tmp/emu-a.log 2>&1 &
+    (
+      taskset -c 12-15 python3 -m proxy.cli bench --regime strix-halo-vulkan-14b "${STRIX[@]}" \
+        "${HITS[@]}" --turns 3 -n 400 --work-dir /tmp/s14c \
+        -o "$OUT/h200-host-strix-14b-chat.json" | tail -14 || echo "strix chat FAILED"
+    ) > /tmp/emu-b.log 2>&1 &
+    single8_defaults 4k
     exact_gen_lru
     wait
     cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"

@@ -199,7 +199,7 @@ class Rounds:
         # after a round that filled one slot: plain runs come next)
         n_next = len(round_.acceptance.tokens)
         if not round_.plan.one_slot:
-            self.proposer.prepare(
+            await self.proposer.prepare(
                 round_.committed + round_.acceptance.tokens,
                 min(self.k_max, round_.room - n_next - 1),
             )

@@ -387,15 +387,16 @@ class DraftLengthPolicy:
         return False
 
     def slots_to_copy(self) -> int:
-        """Slots a new request's prefilled slot should be copied into: what the rounds
-        have been using (plus one for a longer round), all k until that is measured.
-        A slot not copied is copied before the first verify batch that needs it
-        (`SlotCopies.warm_for`), which is cheaper than copying it up front when few
-        rounds reach it (a slot holds the whole context's KV; docs/BENCHMARKS.md,
-        "Measurements behind design choices")."""
+        """Slots a new request's prefilled slot should be copied into: with it, as many
+        as the rounds have been using; all k until that is measured. A slot not copied
+        is copied before the first verify batch that needs it (`SlotCopies.warm_for`,
+        restoring the file this copy saved), which is cheaper than copying it up front
+        when few rounds reach it: a slot holds the whole context's KV (docs/BENCHMARKS.md,
+        "Measurements behind design choices"), and a spare copy made up front lags
+        behind by the time a longer round uses it, as one restored then would."""
         if not self.adaptive or self.prompts_per_round is None or self.rounds < _MIN_ROUNDS:
             return self.k_max
-        return min(self.k_max, max(1, round(self.prompts_per_round)))
+        return min(self.k_max, max(1, round(self.prompts_per_round) - 1))
 
     def verify_ms_for_draft(self, position: int) -> float:
         """What drafting position `position` adds to the verify round: the measured

@@ -91,7 +91,9 @@ PROBE_SPEC_AFTER_MAX = 4096  # the interval doubles while re-measurements confir
 PROBE_BUDGET = 0.05  # a re-measurement may cost this share of the plain time until the next
 PROBE_SPEC_AFTER_CAP = 65536  # the longest wait, however dear a re-measurement was
 PROBE_SPEC_ROUNDS = 4  # rounds of speculation each re-measurement runs
-PROBE_PLAIN_AFTER = 512  # committed speculative tokens between re-measured plain runs
+PROBE_PLAIN_AFTER = 512  # committed speculative tokens before plain runs are re-measured
+PROBE_PLAIN_AFTER_MAX = 4096  # the wait doubles while re-measurements find speculation
+PROBE_PLAIN_LEAD = 2 * HYSTERESIS  # ... at least this much cheaper per token than plain runs
 PASS_REQUESTS = 4  # requests passed through before one re-measures (while plain is chosen)
 PASS_REQUESTS_MAX = 64  # doubling while re-measurements confirm plain runs
 BOUND_K_MAX = 16  # draft lengths the drafter-speed bound considers
@@ -166,6 +168,11 @@ class PlainRunGate:
         # every token the runs wrote. Each one that confirms plain runs doubles the wait.
         self._probe_spec_after = PROBE_SPEC_AFTER
         self._plain_tokens_since_probe = 0
+        # Re-measuring plain runs costs speculation too: on the Strix Halo 14B (emulated)
+        # each 16-token run and the catch-up round after it lost ~335 ms, 2.4% of a
+        # 400-token chat turn (docs/BENCHMARKS.md, "Plain runs re-measured less often").
+        # Each one that finds speculation clearly ahead doubles the wait.
+        self._probe_plain_after = PROBE_PLAIN_AFTER
         self._spec_tokens_since_probe = 0
         self._probe_loss_ms = 0.0  # what the current re-measurement cost beyond plain runs
         self.switches = 0
@@ -217,7 +224,7 @@ class PlainRunGate:
                 self._probe_loss_ms = 0.0
                 return 0
             return self.run_tokens
-        if self._spec_tokens_since_probe >= PROBE_PLAIN_AFTER:
+        if self._spec_tokens_since_probe >= self._probe_plain_after:
             return self.run_tokens
         return 0
 
@@ -484,6 +491,21 @@ class PlainRunGate:
         self._spec_tokens_since_probe = 0
         if not self._rule_out_if_hopeless() and len(self._spec) >= MIN_SPEC_ROUNDS:
             self._reconsider()
+            if not self.plain_chosen:  # a re-measurement that kept speculation
+                self._probe_plain_after = self._next_plain_probe_wait()
+
+    def _next_plain_probe_wait(self) -> int:
+        """Speculative tokens until plain runs are re-measured again: twice the last
+        wait where speculation (its cold cost included) stays `PROBE_PLAIN_LEAD` cheaper
+        per token than the runs just measured, else the shortest. Speculation's rate is
+        measured every round; within a conversation the context only grows, so a plain
+        rate measured earlier is if anything too fast, which errs towards plain runs."""
+        spec, plain = self._spec.ms_per_token, self._plain.ms_per_token
+        if spec is None or plain is None:
+            return PROBE_PLAIN_AFTER
+        if spec + self.cold_ms_per_token() <= plain * (1 - PROBE_PLAIN_LEAD):
+            return min(2 * self._probe_plain_after, PROBE_PLAIN_AFTER_MAX)
+        return PROBE_PLAIN_AFTER
 
     def _reconsider(self) -> None:
         """Keep the cheaper side. Speculation is charged its steady rounds and the cold
@@ -508,6 +530,7 @@ class PlainRunGate:
         self.plain_chosen = not self.plain_chosen
         self.switches += 1
         self._probe_spec_after = PROBE_SPEC_AFTER
+        self._probe_plain_after = PROBE_PLAIN_AFTER
         self._passed, self._pass_limit = 0, PASS_REQUESTS
         log.info(
             "%s requests: %s: %s",
@@ -521,6 +544,7 @@ class PlainRunGate:
             "plain_ms_per_token": self._plain.ms_per_token,
             "switches": self.switches,
             "probe_spec_after": self._probe_spec_after,
+            "probe_plain_after": self._probe_plain_after,
             "draft_ms_per_token": self.draft_ms,
             "hopeless": self.hopeless(),
             "cold_ms": self.cold_ms,

@@ -233,7 +233,7 @@ def test_slots_to_copy_follow_the_rounds():
     assert policy.slots_to_copy() == 6  # nothing measured: every slot a round may use
     for _ in range(8):
         policy.observe(steady_round([0.9], 1, 2, 2.0, 20.0, 30.0))
-    assert policy.slots_to_copy() == 2  # rounds of 2 prompts: their slots, plus one
+    assert policy.slots_to_copy() == 1  # rounds of 2 prompts: the prefilled slot and one
     assert DraftLengthPolicy(6, adaptive=False).slots_to_copy() == 6
 
 
@@ -895,7 +895,7 @@ async def test_a_shadow_draft_runs_alone_on_the_session_and_only_for_greedy_requ
     assert drafted.tokens == expected_draft(committed, 3)
     draft, _dists, _ms = await source.draft(committed, 3)
     assert draft.reused == 3 and session.computed == 3  # the shadow draft's tokens
-    source.prepare(committed + draft.tokens + [5], 3)  # a round's early draft
+    await source.prepare(committed + draft.tokens + [5], 3)  # a round's early draft
     assert source.shadow_draft(committed, 3) is None
     await source.close()
     sampled = Proposer(

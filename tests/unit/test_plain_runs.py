@@ -13,6 +13,7 @@ from proxy.engine import RoundRecord
 from proxy.policies.plain_runs import (
     MIN_SPEC_ROUNDS,
     PROBE_PLAIN_AFTER,
+    PROBE_PLAIN_AFTER_MAX,
     PROBE_SPEC_AFTER,
     PROBE_SPEC_ROUNDS,
     PlainRunGate,
@@ -93,6 +94,38 @@ def test_speculation_kept_when_cheaper_and_plain_re_measured_now_and_then():
     assert gate.decide() == 8
     gate.observe(plain_run(8 * 10.0, 8))
     assert not gate.plain_chosen
+
+
+def spec_tokens_until_plain_run(gate: PlainRunGate, ms_per_token: float, tokens: int = 4) -> int:
+    """Speculative tokens committed before the gate asks for a plain run again."""
+    committed = 0
+    while gate.decide() == 0:
+        gate.observe(steady(ms_per_token * tokens, tokens))
+        committed += tokens
+    return committed
+
+
+def test_plain_re_measured_less_often_while_speculation_stays_clearly_ahead():
+    """Each re-measurement that finds speculation clearly cheaper doubles the wait for
+    the next (up to PROBE_PLAIN_AFTER_MAX); one that finds the lead thin brings the
+    shortest wait back."""
+    gate = PlainRunGate("auto", run_tokens=8)
+    begin(gate, plain_ms_per_token=10.0)
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=7.0, tokens=4)  # 30% cheaper
+    waits = []
+    for _ in range(5):
+        waits.append(spec_tokens_until_plain_run(gate, ms_per_token=7.0))
+        gate.observe(plain_run(8 * 10.0, 8))
+        assert not gate.plain_chosen
+    # the first wait counts the MIN_SPEC_ROUNDS rounds before it
+    assert waits[0] == PROBE_PLAIN_AFTER - 4 * MIN_SPEC_ROUNDS
+    assert waits[1:] == [2 * PROBE_PLAIN_AFTER, 4 * PROBE_PLAIN_AFTER, PROBE_PLAIN_AFTER_MAX,
+                         PROBE_PLAIN_AFTER_MAX]  # fmt: skip
+    # speculation got dearer (9.3 against 10 ms a token): kept, but no longer clearly ahead
+    assert spec_tokens_until_plain_run(gate, ms_per_token=9.3) == PROBE_PLAIN_AFTER_MAX
+    gate.observe(plain_run(8 * 10.0, 8))
+    assert not gate.plain_chosen
+    assert spec_tokens_until_plain_run(gate, ms_per_token=9.3) == PROBE_PLAIN_AFTER
 
 
 def test_speculation_re_measured_while_plain_runs_win_and_can_win_back():
