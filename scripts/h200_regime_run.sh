@@ -48,9 +48,9 @@
 #           (2 repeats) and chats with runner-up lines on and off (oracle runner-up hits 0.42)
 #   s21     start; then, side by side: the real CUDA 4k single turns with the defaults
 #           over all 8 prompts and the always-speculating gen-lru at 512 (2 repeats), every
-#           run checked exactly, on cores 0-7; on 8-11 the Strix Halo 14B then 32B single
-#           turns (2 repeats each), on 12-15 the Strix Halo 14B chats (defaults, runner-up
-#           hits 0.42)
+#           run checked exactly, on cores 0-7; the Strix Halo 14B single turns (2 repeats)
+#           then 3-turn chats with the code before the change (carried in ab-before/) on
+#           8-11 and after it on 12-15 (defaults, runner-up hits 0.42)
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -412,18 +412,22 @@ case "$STAGE" in
     ;;
   s21)  # session 23's chain (see the list above)
     bash scripts/h200_regime_run.sh start
-    HITS=(--oracle-runner-up-hits 0.42)
+    # TREE CORES NAME OPTIONS...: a Strix Halo 14B cell (runner-up hits 0.42) run from
+    # the checkout TREE (ab-before: the code before the change, carried)
+    strix14() {
+      local tree="$1" cores="$2" name="$3"; shift 3
+      (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" taskset -c "$cores" python3 -m proxy.cli \
+        bench --regime strix-halo-vulkan-14b "${STRIX[@]}" --oracle-runner-up-hits 0.42 "$@" \
+        --work-dir "/tmp/s14-$name" -o "$OUT/h200-host-strix-14b-$name.json" | tail -14) \
+        || echo "strix $name FAILED"
+    }
     (
-      for size in 14b 32b; do
-        taskset -c 8-11 python3 -m proxy.cli bench --regime "strix-halo-vulkan-$size" \
-          "${STRIX[@]}" "${HITS[@]}" -n 128 --repeats 2 --work-dir "/tmp/s-$size" \
-          -o "$OUT/h200-host-strix-$size-single.json" | tail -14 || echo "strix $size FAILED"
-      done
+      strix14 ab-before 8-11 single-before -n 128 --repeats 2
+      strix14 ab-before 8-11 chat-before --turns 3 -n 400
     ) > /tmp/emu-a.log 2>&1 &
     (
-      taskset -c 12-15 python3 -m proxy.cli bench --regime strix-halo-vulkan-14b "${STRIX[@]}" \
-        "${HITS[@]}" --turns 3 -n 400 --work-dir /tmp/s14c \
-        -o "$OUT/h200-host-strix-14b-chat.json" | tail -14 || echo "strix chat FAILED"
+      strix14 . 12-15 single-after -n 128 --repeats 2
+      strix14 . 12-15 chat-after --turns 3 -n 400
     ) > /tmp/emu-b.log 2>&1 &
     single8_defaults 4k
     exact_gen_lru
