@@ -51,6 +51,7 @@
 #           run checked exactly, on cores 0-7; the Strix Halo 14B single turns (2 repeats)
 #           then 3-turn chats with the code before the change (carried in ab-before/) on
 #           8-11 and after it on 12-15 (defaults, runner-up hits 0.42)
+#   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
 # Results go to $OUT.
@@ -84,6 +85,15 @@ start_with_vulkan() {  # start, with the Vulkan build (VK_JOBS jobs) beside it; 
     && touch /tmp/vk.done" > /tmp/vk.log 2>&1 < /dev/null &
   bash scripts/h200_regime_run.sh start
   wait_for /tmp/vk.done 420 || tail -5 /tmp/vk.log  # no build beside the timed cells
+}
+strix14() {  # TREE CORES NAME OPTIONS...: a Strix Halo 14B cell (runner-up hits 0.42)
+  # run from the checkout TREE (ab-before: the code before a change, carried; a later call
+  # that carries it again replaces the folder under a cell still running there)
+  local tree="$1" cores="$2" name="$3"; shift 3
+  (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" taskset -c "$cores" python3 -m proxy.cli \
+    bench --regime strix-halo-vulkan-14b "${STRIX[@]}" --oracle-runner-up-hits 0.42 "$@" \
+    --work-dir "/tmp/s14-$name" -o "$OUT/h200-host-strix-14b-$name.json" | tail -14) \
+    || echo "strix $name FAILED"
 }
 use_vulkan() {  # after vulkan-build: its run-time exports, and $vk, the binary
   # shellcheck disable=SC1091
@@ -412,15 +422,6 @@ case "$STAGE" in
     ;;
   s21)  # session 23's chain (see the list above)
     bash scripts/h200_regime_run.sh start
-    # TREE CORES NAME OPTIONS...: a Strix Halo 14B cell (runner-up hits 0.42) run from
-    # the checkout TREE (ab-before: the code before the change, carried)
-    strix14() {
-      local tree="$1" cores="$2" name="$3"; shift 3
-      (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" taskset -c "$cores" python3 -m proxy.cli \
-        bench --regime strix-halo-vulkan-14b "${STRIX[@]}" --oracle-runner-up-hits 0.42 "$@" \
-        --work-dir "/tmp/s14-$name" -o "$OUT/h200-host-strix-14b-$name.json" | tail -14) \
-        || echo "strix $name FAILED"
-    }
     (
       strix14 ab-before 8-11 single-before -n 128 --repeats 2
       strix14 ab-before 8-11 chat-before --turns 3 -n 400
@@ -433,6 +434,10 @@ case "$STAGE" in
     exact_gen_lru
     wait
     cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
+    ;;
+  strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
+    install_sources
+    strix14 "${@:2}"
     ;;
   concurrency)  # issue 30's H200 run (scripts/h200_concurrency_run.sh), here to run it in
                 # the background
