@@ -69,6 +69,8 @@ _ACCEPT_ALPHA = 0.05  # the formula's acceptance: E(k) is steep in a, so average
 _SWEEP_SAMPLES = 2  # rounds each length is sent by the first sweep
 _SWEEP_STOP = 0.25  # the sweep goes no longer once a length loses this share of the best rate
 _EXPLORE_EVERY = 16  # then one round beside the choice every so many rounds
+_EXPLORE_SPACING_MAX = 16  # at most this many times rarer for what a neighbour loses a round
+_EXPLORE_SETUP_SPACING_MAX = 64  # ... and for the slot copies its rounds waited for
 # The free-drafter ceiling rules speculation out, so it takes the acceptance high: its
 # Wilson bound this many standard errors up, and only after this many accepted drafts
 # and rejections. On the Strix Halo 14B file (emulated), the point estimate after 7
@@ -121,6 +123,10 @@ class DraftLengthPolicy:
         self._slope = _PRIOR_VERIFY_SLOPE_MS
         self.prompts_per_round: float | None = None  # verify prompts (slots) per round
         self._explored: set[int] = set()  # round indexes `decide` chose to measure a length
+        # what the last exploring round waited for its slots to be ready (a saved copy
+        # restored into a slot a longer round uses)
+        self._explore_setup_ms: float | None = None
+        self._explore_setup_round = -1
 
     def decide(self, ahead: bool, upcoming: int = 0) -> tuple[int, int]:
         """(the most drafts the next round should send, the most where it drafts them
@@ -176,7 +182,11 @@ class DraftLengthPolicy:
 
     def _explore_spacing(self, ahead: bool, chosen: int, other: int) -> int:
         """How many exploring slots to skip between tries of `other`: 1, plus one per
-        2.5% of expected rate it was measured to lose against `chosen` (at most 16)."""
+        2.5% of expected rate it was measured to lose against `chosen`, plus one per
+        2.5% of a round that exploring rounds waited for slot copies (at most 16, or 64
+        with such copies). On the Strix Halo 14B chats a try of k = 2 about once a
+        turn first restored a slot, 129-237 ms of ~60 ms rounds as the context grew
+        (docs/BENCHMARKS.md, "Explorations that wait for a slot copy")."""
         if other == chosen:
             return 1
         rate = {
@@ -184,7 +194,11 @@ class DraftLengthPolicy:
             for n in (chosen, other)
         }
         regret = max(0.0, 1.0 - rate[other] / max(rate[chosen], 1e-9))
-        return 1 + min(15, int(regret * 40))
+        setup, round_ms = self._explore_setup_ms or 0.0, self.round_ms
+        waited = int(setup / round_ms * 40) if round_ms else 0
+        if waited:
+            return 1 + min(_EXPLORE_SETUP_SPACING_MAX - 1, int(regret * 40) + waited)
+        return 1 + min(_EXPLORE_SPACING_MAX - 1, int(regret * 40))
 
     def length(self, ahead: bool) -> int:
         """The most drafts the next round should send: k_max until measured, or in
@@ -437,6 +451,13 @@ class DraftLengthPolicy:
         it (`refreshed`: the copy's time is left out of the round's and the proxy's)."""
         probs = record.draft_probs
         n = len(probs)  # prompts - 1: what the verify time follows
+        if self.exploring_now() and n and not (record.plain_run or record.first):
+            # the last try's (its slots' lag, so its copy's cost, follows the context); a
+            # try whose copy made it a catch-up round is sent again at the same index
+            setup = max(record.verify_sent_ms - record.draft_ready_ms, 0.0)
+            if self._explore_setup_round == self.rounds:
+                setup = max(setup, self._explore_setup_ms or 0.0)
+            self._explore_setup_ms, self._explore_setup_round = setup, self.rounds
         if record.plain_run or record.first or (record.catch_up and not record.refreshed):
             return
         if not n:

@@ -802,6 +802,33 @@ def test_a_neighbour_that_loses_much_is_explored_less_often():
     assert 1 <= near < far <= 16
 
 
+def test_a_neighbour_whose_rounds_wait_for_slot_copies_is_explored_less_often():
+    # Strix Halo 14B chats: a try of k = 2 first restored a saved copy into the slot it
+    # uses (129-237 ms against ~60 ms rounds), about once a turn
+    from proxy.policies.draft_length import _EXPLORE_SETUP_SPACING_MAX, _EXPLORE_SPACING_MAX
+
+    def tries_after_sweep(copy_ms: float) -> int:
+        policy = DraftLengthPolicy(6)
+        sent, copied = [], False
+        for i in range(3000):
+            k, _fresh = policy.decide(True)
+            sent.append(k)
+            # a try copies first (a catch-up round, sent again), then is measured
+            copied = policy.exploring_now() and i > 100 and not copied and copy_ms > 0
+            accepted = k if i % 2 else max(k - 1, 0)
+            policy.observe(
+                steady_round([1.0] * k, accepted, accepted + 1, 0.0, CLIFF[k], CLIFF[k],
+                             fresh_tokens=k, fresh_ms=0.0, resynced=True, catch_up=copied,
+                             draft_ready_ms=0.0, verify_sent_ms=copy_ms if copied else 0.0)
+            )  # fmt: skip
+        return sum(k != 1 for k in sent[100:])
+
+    free, waiting = tries_after_sweep(0.0), tries_after_sweep(2 * CLIFF[1])
+    assert free > 0 and waiting > 0  # still measured now and then
+    assert waiting * 2 < free
+    assert _EXPLORE_SPACING_MAX < _EXPLORE_SETUP_SPACING_MAX
+
+
 def test_a_fixed_length_never_explores():
     policy = DraftLengthPolicy(6, adaptive=False)
     assert set(play(policy, 60, STEEP, 0.77)) == {6}
