@@ -125,7 +125,7 @@ class DraftLengthPolicy:
         self._explored: set[int] = set()  # round indexes `decide` chose to measure a length
         # what the last exploring round waited for its slots to be ready (a saved copy
         # restored into a slot a longer round uses)
-        self._explore_setup_ms: float | None = None
+        self._explore_setup_ms = 0.0
         self._explore_setup_round = -1
 
     def decide(self, ahead: bool, upcoming: int = 0) -> tuple[int, int]:
@@ -194,11 +194,10 @@ class DraftLengthPolicy:
             for n in (chosen, other)
         }
         regret = max(0.0, 1.0 - rate[other] / max(rate[chosen], 1e-9))
-        setup, round_ms = self._explore_setup_ms or 0.0, self.round_ms
-        waited = int(setup / round_ms * 40) if round_ms else 0
-        if waited:
-            return 1 + min(_EXPLORE_SETUP_SPACING_MAX - 1, int(regret * 40) + waited)
-        return 1 + min(_EXPLORE_SPACING_MAX - 1, int(regret * 40))
+        round_ms = self.round_ms
+        waited = int(self._explore_setup_ms / round_ms * 40) if round_ms else 0
+        cap = _EXPLORE_SETUP_SPACING_MAX if waited else _EXPLORE_SPACING_MAX
+        return 1 + min(cap - 1, int(regret * 40) + waited)
 
     def length(self, ahead: bool) -> int:
         """The most drafts the next round should send: k_max until measured, or in
@@ -456,7 +455,7 @@ class DraftLengthPolicy:
             # try whose copy made it a catch-up round is sent again at the same index
             setup = max(record.verify_sent_ms - record.draft_ready_ms, 0.0)
             if self._explore_setup_round == self.rounds:
-                setup = max(setup, self._explore_setup_ms or 0.0)
+                setup = max(setup, self._explore_setup_ms)
             self._explore_setup_ms, self._explore_setup_round = setup, self.rounds
         if record.plain_run or record.first or (record.catch_up and not record.refreshed):
             return
