@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field, replace
 
 from npu_draft.protocol import common_prefix_length
@@ -198,6 +198,7 @@ class Rounds:
         # the next round's committed sequence is known: its draft may start now (not
         # after a round that filled one slot: plain runs come next)
         n_next = len(round_.acceptance.tokens)
+        self._empty_stale(holds.keys(), len(round_.committed) + n_next)
         if not round_.plan.one_slot:
             await self.proposer.prepare(
                 round_.committed + round_.acceptance.tokens,
@@ -207,6 +208,16 @@ class Rounds:
             yield event
         await self._after_commit(loop, round_)
         await self._record(loop, round_)
+
+    def _empty_stale(self, in_use: Collection[int], n_context: int) -> None:
+        """Erase, in the background, the slots this generation left behind for good
+        (`SlotCopies.stale`), while it has the server to itself: a slot shared with
+        another stream may hold that stream's prompt by now."""
+        if not self.policies.alone():
+            return
+        stale = self.slots.stale(in_use, n_context)
+        if stale:
+            self.background.start(self.slots.empty(stale))
 
     async def _prepare(self, loop: LoopState, started: float) -> _Round:
         """Slot copies owed from plain runs, and how many drafts the round may verify:

@@ -404,6 +404,43 @@ class SlotCopies:
         self.fullest = fullest
         self.holds.update(holds or {})
 
+    def stale(self, in_use: Collection[int], n_context: int) -> list[int]:
+        """Slots this generation touched that no longer hold anything worth keeping:
+        not used by the batch that just ran (`in_use`), behind the `n_context`-token
+        context by enough that the measured rates would copy the context afresh into
+        them before a longer round uses one (`SlotReplicator.refresh_pays`), and used
+        by no other generation. They are marked as holding nothing (a longer round then
+        refreshes them, as it would have anyway). With unified KV every decode attends
+        over every cell in use: on the Strix Halo 14B chats (emulated) a third slot
+        left behind by each k = 2 try held 513-1,252 cells, ~0.4-1.0 ms of every ~55 ms
+        round (docs/BENCHMARKS.md, "Slots left behind, emptied"). Where a copy costs
+        more than a catch-up (the H200: a save costs twice a prefill a token) nothing is
+        stale."""
+        replicator = self.replicator
+        if replicator is None or not replicator.available:
+            return []
+        dropped = []
+        for id_slot in sorted(self.touched - set(in_use)):
+            held = self.holds.get(id_slot)
+            if held is None or held <= 0 or id_slot == self.fullest:
+                continue
+            if replicator.in_flight.get(id_slot, 0) > 1:
+                continue  # another generation uses it too
+            if replicator.refresh_pays(n_context - held, n_context):
+                self.holds[id_slot] = 0
+                dropped.append(id_slot)
+        return dropped
+
+    async def empty(self, slots: Collection[int]) -> None:
+        """Erase `slots` (`stale`'s): only speed depends on it, so a failure is logged."""
+        if self.replicator is None:
+            return
+        try:
+            for id_slot in slots:
+                await self.replicator.upstream.slot_action(id_slot, "erase", "")
+        except (UpstreamClientError, UpstreamError) as exc:
+            log.info("emptying a slot left behind failed (%s)", exc)
+
     def _touch(self, slots: Iterable[int]) -> None:
         """This generation uses `slots` from now on: no other clears them meanwhile."""
         fresh = set(slots) - self.touched

@@ -59,6 +59,10 @@ class Policies:
         """The most drafts the next round may verify, given the other streams."""
         return k_max if self.slots is None else min(k_max, self.slots.grant())
 
+    def alone(self) -> bool:
+        """The generation has the server's slots to itself (no other stream)."""
+        return self.slots is None or self.slots.alone()
+
     def prefers_plain(self) -> bool:
         """Plain runs are the measured choice right now."""
         return self.plain_runs is not None and self.plain_runs.prefers_plain()

@@ -565,6 +565,35 @@ async def test_a_slot_left_behind_gets_a_fresh_copy_where_its_catch_up_costs_mor
     assert await copies.warm_for(3, 601) == ""  # current now
 
 
+@pytest.mark.parametrize(("prefill_ms_per_token", "emptied"), [(4.0, [2]), (0.074, [])])
+async def test_a_slot_left_behind_for_good_is_emptied_where_a_fresh_copy_would_replace_it(
+    prefill_ms_per_token, emptied
+):
+    """A k = 2 try filled slot 2; the rounds since used 0 and 1. At the Strix Halo rates
+    a longer round would copy the context afresh into slot 2 once it lags by 80 tokens,
+    so what it holds only widens every decode's span: it is emptied, and the next longer
+    round refreshes it. At the H200's rates it would catch up in the batch: it stays."""
+    server = SlotServer()
+    copies = copies_after_a_cold_fill(server, prefill_ms_per_token)
+    await copies.after_first_round(0, n_cached=0)
+    copies.used([0, 1, 2], fullest=2, holds={0: 520, 1: 520, 2: 520})
+    copies.used([0, 1], fullest=0, holds={0: 560, 1: 559})
+    assert copies.stale({0, 1}, 560) == []  # 40 behind: a catch-up costs less
+    copies.used([0, 1], fullest=0, holds={0: 600, 1: 599})
+    copies.replicator.in_flight[2] += 1  # another generation uses slot 2 too
+    assert copies.stale({0, 1}, 600) == []
+    copies.replicator.in_flight[2] -= 1
+    assert copies.stale({0, 1}, 600) == emptied
+    assert copies.stale({0, 1}, 600) == []  # once
+    before = len(server.actions)
+    await copies.empty(emptied)
+    assert server.actions[before:] == [(2, "erase")] * len(emptied)
+    if emptied:
+        assert copies.holds[2] == 0
+        assert await copies.warm_for(3, 600) == "refreshed"
+        assert server.actions[-2:] == [(0, "save"), (2, "restore")]
+
+
 @pytest.mark.parametrize(
     ("prefill_ms_per_token", "lag"),
     [(0.074, 100), (4.0, 40)],  # the H200's prefill: a save costs more; a short lag
