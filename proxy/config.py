@@ -56,6 +56,11 @@ class ProxySettings(BaseSettings):
         "the draft's runner-ups at its likeliest misses, so that the round after such a miss "
         "finds its draft ready",
     )
+    send_ahead: bool = Field(
+        True,
+        description="draft and send the next round's verification as soon as a verify result "
+        "is back, before the proxy streams and records the round's tokens",
+    )
     slot_file_reuse: bool = Field(
         True,
         description="a generation restores the slot file it saved earlier, as it is, where "

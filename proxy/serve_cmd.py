@@ -138,6 +138,16 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
+        ("--send-ahead",),
+        {
+            "choices": ["on", "off"],
+            "dest": "send_ahead",
+            "help": "on: draft and send the next round's verification as soon as a verify "
+            "result is back, before the proxy streams and records the round's tokens; off: "
+            "after them (default: %(default)s)",
+        },
+    ),
+    (
         ("--runner-up-lines",),
         {
             "choices": ["on", "off"],

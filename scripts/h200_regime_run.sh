@@ -51,6 +51,10 @@
 #           run checked exactly, on cores 0-7; the Strix Halo 14B single turns (2 repeats)
 #           then 3-turn chats with the code before the change (carried in ab-before/) on
 #           8-11 and after it on 12-15 (defaults, runner-up hits 0.42)
+#   s22     no build: side by side on this host's CPUs, the Strix Halo 14B 3-turn chats
+#           then single turns with the code before the change (carried in ab-before/) on
+#           0-3 and after it on 4-7 (the single turns also with --send-ahead off), and the
+#           Strix Halo 32B 3-turn chats after it on 8-15
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -86,15 +90,16 @@ start_with_vulkan() {  # start, with the Vulkan build (VK_JOBS jobs) beside it; 
   bash scripts/h200_regime_run.sh start
   wait_for /tmp/vk.done 420 || tail -5 /tmp/vk.log  # no build beside the timed cells
 }
-strix14() {  # TREE CORES NAME OPTIONS...: a Strix Halo 14B cell (runner-up hits 0.42)
+strix_cell() {  # SIZE TREE CORES NAME OPTIONS...: a Strix Halo cell (runner-up hits 0.42)
   # run from the checkout TREE (ab-before: the code before a change, carried; a later call
   # that carries it again replaces the folder under a cell still running there)
-  local tree="$1" cores="$2" name="$3"; shift 3
+  local size="$1" tree="$2" cores="$3" name="$4"; shift 4
   (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" taskset -c "$cores" python3 -m proxy.cli \
-    bench --regime strix-halo-vulkan-14b "${STRIX[@]}" --oracle-runner-up-hits 0.42 "$@" \
-    --work-dir "/tmp/s14-$name" -o "$OUT/h200-host-strix-14b-$name.json" | tail -14) \
-    || echo "strix $name FAILED"
+    bench --regime "strix-halo-vulkan-$size" "${STRIX[@]}" --oracle-runner-up-hits 0.42 "$@" \
+    --work-dir "/tmp/s$size-$name" -o "$OUT/h200-host-strix-$size-$name.json" | tail -14) \
+    || echo "strix $size $name FAILED"
 }
+strix14() { strix_cell 14b "$@"; }  # TREE CORES NAME OPTIONS...
 use_vulkan() {  # after vulkan-build: its run-time exports, and $vk, the binary
   # shellcheck disable=SC1091
   . /tmp/vk.sh
@@ -434,6 +439,20 @@ case "$STAGE" in
     exact_gen_lru
     wait
     cat /tmp/emu-a.log /tmp/emu-b.log | grep -v "INFO proxy"
+    ;;
+  s22)  # session 24's chain (see the list above)
+    install_sources
+    (
+      strix14 ab-before 0-3 chat-before --turns 3 -n 400
+      strix14 ab-before 0-3 single-before -n 128 --repeats 2
+    ) > /tmp/emu-a.log 2>&1 &
+    (
+      strix14 . 4-7 chat-after --turns 3 -n 400
+      strix14 . 4-7 single-after -n 128 --repeats 2 --proxy-variant 'noahead=--send-ahead off'
+    ) > /tmp/emu-b.log 2>&1 &
+    strix_cell 32b . 8-15 chat-after --turns 3 -n 400 > /tmp/emu-c.log 2>&1 &
+    wait
+    cat /tmp/emu-a.log /tmp/emu-b.log /tmp/emu-c.log | grep -v "INFO proxy"
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources

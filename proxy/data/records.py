@@ -66,6 +66,9 @@ class RoundRecord:
     drafted_ahead: bool | None = None
     next_drafted: int | None = None
     next_draft_ms: float = 0.0
+    # its draft and verify request went out before the last round's tokens were
+    # streamed and recorded (`--send-ahead`)
+    sent_ahead: bool = False
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,7 @@ class Generation:
                 async for event in steps:
                     yield event
         finally:
+            await rounds.abandon()
             rounds.slots.leave(self.prompt + loop.text.tokens)
             await rounds.proposer.close()
         self._finish(loop, rounds)
@@ -135,7 +136,7 @@ class Generation:
         )
         return Rounds(
             self.upstream, self.prompt, self.pieces, settings.k, rule, proposer, policies, slots,
-            decodes, self.observer, self.background,
+            decodes, self.observer, self.background, settings.send_ahead,
         )  # fmt: skip
 
     def _finish(self, loop: LoopState, rounds: Rounds) -> None:

@@ -135,13 +135,18 @@ class Proposer:
 
     # -- what the rounds ask -----------------------------------------------------------
 
-    async def draft(self, committed: list[int], k: int) -> DraftOutcome:
+    async def draft(self, committed: list[int], k: int, upcoming: int = 0) -> DraftOutcome:
         """This round's draft of at most k tokens after `committed`, and the ms the
-        round waited for it; an empty draft where there is no drafter or it failed."""
+        round waited for it; an empty draft where there is no drafter or it failed.
+        `upcoming` 1: the round is sent ahead, before the last one is observed."""
         if self.sampled is not None:
             return await self._draft_sampled(committed, k, self.sampled)
-        k, k_fresh = self._lengths(k)
+        k, k_fresh = self._lengths(k, upcoming)
         return await self._take_prepared(committed, k, k_fresh)
+
+    def has_prepared(self) -> bool:
+        """A draft for the next round was started (`prepare`)."""
+        return self._prepared is not None
 
     async def prepare(self, committed: list[int], k: int) -> None:
         """The next round's committed sequence is known: its draft of at most k may
@@ -159,17 +164,21 @@ class Proposer:
         self._prepared = _Prepared(committed, k, k_fresh, task)
         await asyncio.sleep(0)
 
-    def draft_ahead(self, n_drafted: int) -> bool | None:
+    def draft_ahead(self, n_drafted: int, upcoming: int = 0) -> bool | None:
         """While the server verifies the round's `n_drafted` drafts: draft ahead, as the
-        overlap policy chooses (None: no choice made)."""
+        overlap policy chooses (None: no choice made). `upcoming` 1: the round was sent
+        ahead, before the last one is observed."""
         if self.sampled is not None or not n_drafted:
             return None  # a sampled line is not a greedy line to extend
         chosen = self.policies.overlap.decide(self.can_draft_ahead)
         if chosen:  # the bonus guess and the next round's drafts
             draft_length = self.policies.draft_length
+            # the next round's index, counted now: the plan runs when drafting starts,
+            # which may come after the last round is observed
+            after = draft_length.rounds + 1 + upcoming
 
             def plan() -> tuple[int, RunnerUpLines | None]:
-                next_k = draft_length.decide(True, upcoming=1)[0]
+                next_k = draft_length.decide_at(True, after)[0]
                 return next_k + 1, self._lines(n_drafted, next_k)
 
             self._start_ahead(plan)

@@ -46,6 +46,17 @@ class _Round:
     n_committed: int = 0
     copied: bool = False  # slots were copied for it (its times are no steady round's)
     refreshed: bool = False  # ... fresh into a slot it used: its verify time is steady
+    # its other slots catch up inside its batch: after plain runs, or the round after a
+    # first round (on a new turn of a conversation they ingest its new tokens there,
+    # too few to copy, which on Strix Halo's Vulkan crosses the 8-token edge)
+    lagged: bool = False
+    # sent ahead: its verification, sent while the proxy still committed the last round
+    verify_task: asyncio.Task[list[VerifyResult]] | None = None
+    # the round sent ahead after this one: when it started, and its draft (what it
+    # waited judges this round's choice to draft ahead)
+    next_started: float | None = None
+    next_drafted: int | None = None
+    next_draft_ms: float = 0.0
 
     @property
     def verify_ms(self) -> float:
@@ -69,6 +80,7 @@ class Rounds:
         decodes: DecodeCounter,
         observer: RoundObserver | None,
         background: BackgroundTasks,
+        send_ahead: bool = True,
     ) -> None:
         self.upstream = upstream
         self.prompt = prompt
@@ -81,11 +93,15 @@ class Rounds:
         self.decodes = decodes
         self.observer = observer
         self.background = background
+        self.send_ahead = send_ahead
+        self._started = 0  # rounds started (plain runs included)
+        self._ahead: _Round | None = None  # the round sent ahead, not yet taken up
 
     def plain_run_length(self, loop: LoopState) -> int:
         """Tokens the server should decode alone next (0: a speculative round); never
-        in the first round, which prefills the slots."""
-        if not loop.rounds or not self.proposer.available:
+        in the first round, which prefills the slots, nor where the next round was sent
+        ahead."""
+        if not loop.rounds or not self.proposer.available or self._ahead is not None:
             return 0
         return max(0, min(self.policies.plain_run_tokens(), loop.text.remaining()))
 
@@ -94,6 +110,7 @@ class Rounds:
     async def plain_run(self, loop: LoopState, n: int, started: float) -> AsyncIterator[TokenEvent]:
         """The server decodes up to n tokens alone, in one request."""
         loop.awaiting_overlap = None
+        self._started += 1
         await self.proposer.stop_ahead()  # its line would be stale after the run
         context = self.prompt + loop.text.tokens
         shadow = None
@@ -182,8 +199,10 @@ class Rounds:
     async def speculative_round(self, loop: LoopState, started: float) -> AsyncIterator[TokenEvent]:
         """draft -> verify -> accept -> commit -> record; the next round's draft may
         start as soon as this one's accepted tokens are known."""
-        round_ = await self._prepare(loop, started)
-        await self._draft(loop, round_)
+        round_, self._ahead = self._ahead, None
+        if round_ is None:
+            round_ = await self._prepare(loop, started)
+            await self._draft(loop, round_)
         await self._verify(loop, round_)
         round_.acceptance = self.rule.accept(round_.drafted.tokens, round_.dists, round_.results)
         # the prompt that ends at the last accepted draft: its slot holds the most
@@ -204,10 +223,54 @@ class Rounds:
                 round_.committed + round_.acceptance.tokens,
                 min(self.k_max, round_.room - n_next - 1),
             )
-        async for event in self._commit(loop, round_):
-            yield event
+        events = await self._commit(loop, round_)
         await self._after_commit(loop, round_)
+        if self._may_send_ahead(loop, round_):
+            await self._send_ahead(loop, round_)
+        for event in events:
+            yield event
         await self._record(loop, round_)
+
+    def _may_send_ahead(self, loop: LoopState, round_: _Round) -> bool:
+        """Whether the next round may be drafted and sent before this one is streamed
+        and recorded: a steady greedy round whose next draft was prepared, with the
+        text going on and no plain run due (decided before this round is observed: the
+        policies lag one round behind there). Not with the one-decode check, whose
+        reading would then span two rounds."""
+        return (
+            self.send_ahead
+            and round_.plan.drafts
+            and not loop.text.finished
+            and not self.rule.sampled
+            and not self.decodes.enabled
+            and self.proposer.has_prepared()
+            and not self.policies.prefers_plain()
+            and self.plain_run_length(loop) == 0
+        )
+
+    async def _send_ahead(self, loop: LoopState, round_: _Round) -> None:
+        """The next round's front half now, behind the proxy's own work on this one
+        (streaming its tokens, its record and what the policies learn from it), which
+        then overlaps the server's verification instead of delaying it. On the Strix Halo
+        14B (emulated) that work took ~0.35 ms of the ~0.8 ms between a verify result and
+        the next verify request."""
+        ahead = await self._prepare(loop, time.perf_counter(), upcoming=1)
+        await self._draft(loop, ahead, upcoming=1)
+        ahead.verify_task = asyncio.create_task(
+            self.rule.verify(self.upstream, ahead.committed, ahead.drafted.tokens)
+        )
+        await asyncio.sleep(0)  # the request goes out now, not at the consumer's next wait
+        round_.next_started = ahead.started
+        round_.next_drafted, round_.next_draft_ms = len(ahead.drafted.tokens), ahead.draft_ms
+        self._ahead = ahead
+
+    async def abandon(self) -> None:
+        """The generation ends (or its client left): a round sent ahead is dropped (the
+        server may still run its batch; only the slots' contents change)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.verify_task is not None:
+            ahead.verify_task.cancel()
+            await asyncio.gather(ahead.verify_task, return_exceptions=True)
 
     def _empty_stale(self, in_use: Collection[int], n_context: int) -> None:
         """Erase, in the background, the slots this generation left behind for good
@@ -217,31 +280,36 @@ class Rounds:
             return
         stale = self.slots.stale(in_use, n_context)
         if stale:
-            self.background.start(self.slots.empty(stale))
+            self.slots.erasing = self.background.start(self.slots.empty(stale))
 
-    async def _prepare(self, loop: LoopState, started: float) -> _Round:
+    async def _prepare(self, loop: LoopState, started: float, upcoming: int = 0) -> _Round:
         """Slot copies owed from plain runs, and how many drafts the round may verify:
         never past what the server may still produce (the last prompt of the batch must
         stay below the slot's context; the round commits at most k+1 tokens), none in a
-        first round that prefills one slot."""
+        first round that prefills one slot. `upcoming` 1: sent ahead, before the last
+        round is observed."""
+        index, self._started = self._started, self._started + 1
+        lagged = loop.after_run or index == 1
         if loop.after_run:
             # speculation again after plain runs: copy the slot that holds the context
             # into the slots the rounds use, instead of letting each of them prefill what
             # it lags by inside the next verify batch
             await self.slots.catch_up(loop.lag, len(self.prompt) + len(loop.text.tokens))
+        loop.after_run = False
         loop.lag = 0
         first = not loop.rounds and self.proposer.available
         one_slot = self.policies.prefers_plain() or self.policies.measuring_first()
         plan = self.slots.first_round(one_slot) if first else FirstRound()
         room = loop.text.remaining()
-        round_ = _Round(started, self.prompt + loop.text.tokens, room, plan)
+        round_ = _Round(started, self.prompt + loop.text.tokens, room, plan, lagged=lagged)
         round_.k = max(0, min(self.policies.k_cap(self.k_max), room - 1)) if plan.drafts else 0
         return round_
 
-    async def _draft(self, loop: LoopState, round_: _Round) -> None:
-        """The round's draft; then, while the server verifies it, maybe drafting ahead."""
+    async def _draft(self, loop: LoopState, round_: _Round, upcoming: int = 0) -> None:
+        """The round's draft; then, while the server verifies it, maybe drafting ahead
+        (`upcoming` 1: sent ahead, before the last round is observed)."""
         round_.drafted, round_.dists, round_.draft_ms = await self.proposer.draft(
-            round_.committed, round_.k
+            round_.committed, round_.k, upcoming
         )
         n_drafted = len(round_.drafted.tokens)
         round_.draft_ready = time.perf_counter()
@@ -256,13 +324,17 @@ class Rounds:
             judged = replace(awaiting, next_drafted=n_drafted, next_draft_ms=round_.draft_ms)
             loop.rounds[-1] = judged
             self.policies.observe_next_draft(judged)
-        round_.drafted_ahead = self.proposer.draft_ahead(n_drafted)
+        round_.drafted_ahead = self.proposer.draft_ahead(n_drafted, upcoming)
 
     async def _verify(self, loop: LoopState, round_: _Round) -> None:
-        """One batch of k+1 prompts: the target's token after each draft prefix."""
-        round_.results = await self.rule.verify(
-            self.upstream, round_.committed, round_.drafted.tokens
-        )
+        """One batch of k+1 prompts: the target's token after each draft prefix (sent
+        already where the round was sent ahead)."""
+        if round_.verify_task is not None:
+            round_.results = await round_.verify_task
+        else:
+            round_.results = await self.rule.verify(
+                self.upstream, round_.committed, round_.drafted.tokens
+            )
         round_.verify_back = time.perf_counter()
         round_.drafter_idle_ms = round_.verify_ms
         if round_.drafted_ahead:
@@ -270,15 +342,17 @@ class Rounds:
         if loop.first_round_end is None:
             loop.n_cached = round_.results[0].cached
 
-    async def _commit(self, loop: LoopState, round_: _Round) -> AsyncIterator[TokenEvent]:
-        """Push the accepted tokens through the server-text mirror, one event each."""
+    async def _commit(self, loop: LoopState, round_: _Round) -> list[TokenEvent]:
+        """Push the accepted tokens through the server-text mirror: their events, up to
+        where the text ends."""
+        events: list[TokenEvent] = []
         for position, token in enumerate(round_.acceptance.tokens):
             piece, is_eog = await self.rule.piece(round_.results[position], token)
-            event = loop.text.push(token, piece, is_eog)
-            round_.n_committed += 1
-            yield event
+            events.append(loop.text.push(token, piece, is_eog))
             if loop.text.finished:
                 break
+        round_.n_committed = len(events)
+        return events
 
     async def _after_commit(self, loop: LoopState, round_: _Round) -> None:
         """A first round's slot copies, and the slot the other slots lag behind."""
@@ -296,12 +370,13 @@ class Rounds:
         """The round's record, checked (one server decode) and observed."""
         decodes, prompt_tokens = await self.decodes.round_delta()
         self.decodes.check(decodes, len(loop.rounds))
-        # the round after a first round also catches up: on a new turn of a
-        # conversation the other slots ingest its new tokens inside this batch (too
-        # few to copy), which on Strix Halo's Vulkan crosses the 8-token edge; the
-        # gate took such rounds for speculation speed and chose plain runs
-        slots_lagged = loop.after_run or len(loop.rounds) == 1
-        total_ms = (time.perf_counter() - round_.started) * 1e3
+        # a round whose slots caught up is no steady round: the gate took such rounds
+        # for speculation speed and chose plain runs
+        slots_lagged = round_.lagged
+        # a round ends where the next one, sent ahead, started: its own tail overlapped
+        # that one's verification
+        ended = round_.next_started or time.perf_counter()
+        total_ms = (ended - round_.started) * 1e3
         drafted, acceptance = round_.drafted, round_.acceptance
         record = RoundRecord(
             n_drafted=len(drafted.tokens),
@@ -331,12 +406,18 @@ class Rounds:
             resynced=drafted.resynced,
             runner_up_line=drafted.runner_up_line,
             drafted_ahead=round_.drafted_ahead,
+            next_drafted=round_.next_drafted,
+            next_draft_ms=round_.next_draft_ms,
+            sent_ahead=round_.verify_task is not None,
         )
         loop.last_back = round_.verify_back
-        if record.drafted_ahead is not None:
-            loop.awaiting_overlap = record
+        if record.drafted_ahead is not None and round_.next_drafted is None:
+            loop.awaiting_overlap = record  # judged by the next round's draft
         self._close_round(loop, record)
-        loop.after_run = round_.plan.one_slot
+        if round_.next_drafted is not None:
+            self.policies.observe_next_draft(record)
+        if round_.plan.one_slot:
+            loop.after_run = True
 
     def release_slots(self) -> asyncio.Task[list[int]] | None:
         """Once plain decoding is the gate's choice, empty the slots this generation

@@ -35,6 +35,9 @@ class EngineSettings:
     early_draft: bool = True
     # greedy, drafting ahead: also the lines after the runner-ups at the likeliest misses
     runner_up_lines: bool = True
+    # greedy: draft and send the next round's verification before this round's tokens
+    # are streamed and recorded (that work then overlaps the server's)
+    send_ahead: bool = True
     check_decodes: bool = False  # count the server's decodes per round; warn when not one
     strict_decodes: bool = False  # ... and fail the generation instead (implies checking)
     # speculate or let the server decode alone, measured (proxy.policies.plain_runs); off
@@ -58,6 +61,7 @@ class EngineSettings:
             overlap=settings.overlap,
             early_draft=settings.early_draft,
             runner_up_lines=settings.runner_up_lines,
+            send_ahead=settings.send_ahead,
             check_decodes=settings.check_decodes,
             strict_decodes=settings.strict_decodes,
             plain_runs=settings.plain_runs,

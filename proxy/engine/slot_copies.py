@@ -7,6 +7,7 @@ next verify batch, exactly as without copies.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -256,6 +257,9 @@ class SlotCopies:
         # committed-context tokens each slot it touched holds, where known (a slot not
         # in it is taken to be current)
         self.holds: dict[int, int] = {}
+        # erasing the slots `stale` named, in the background: a copy into one of them
+        # waits for it
+        self.erasing: asyncio.Task[None] | None = None
 
     def first_round(self, one_slot: bool) -> FirstRound:
         """The plan of a first round that has a drafter: one slot is prefilled (and
@@ -360,6 +364,7 @@ class SlotCopies:
         lag = n_context - self.holds.get(stalest, n_context)
         if stalest == self.fullest or not replicator.refresh_pays(lag, n_context):
             return False
+        await self._erased()
         copied = await replicator.replicate(self.fullest, 1, self.slot_file, into=[stalest])
         if copied:
             log.info("slot %d lagged by %d tokens: copied the context afresh", stalest, lag)
@@ -382,6 +387,7 @@ class SlotCopies:
             or not replicator.worth_copying(lag)
         ):  # fmt: skip
             return []
+        await self._erased()
         reuse = self.saved_at is not None and replicator.reuse_pays(
             n_context - self.saved_at, copies, n_context
         )
@@ -430,6 +436,12 @@ class SlotCopies:
                 self.holds[id_slot] = 0
                 dropped.append(id_slot)
         return dropped
+
+    async def _erased(self) -> None:
+        """Wait for the erasing `stale` started (a restore must come after it)."""
+        erasing, self.erasing = self.erasing, None
+        if erasing is not None:
+            await asyncio.gather(erasing, return_exceptions=True)
 
     async def empty(self, slots: Collection[int]) -> None:
         """Erase `slots` (`stale`'s): only speed depends on it, so a failure is logged."""

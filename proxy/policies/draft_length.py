@@ -133,9 +133,13 @@ class DraftLengthPolicy:
         fresh), for rounds that draft ahead or not. `upcoming` 1: for the round after
         the one in progress (an early draft, drafting ahead), which must get the same
         answer as that round will when it starts."""
-        explored = self.exploring(ahead, self.rounds + upcoming)
+        return self.decide_at(ahead, self.rounds + upcoming)
+
+    def decide_at(self, ahead: bool, round_index: int) -> tuple[int, int]:
+        """`decide` for the round `round_index` (counted in observed rounds)."""
+        explored = self.exploring(ahead, round_index)
         if explored is not None:
-            self._explored.add(self.rounds + upcoming)
+            self._explored.add(round_index)
             return explored, explored
         return self.length(ahead), self.fresh_length(ahead)
 

@@ -29,27 +29,30 @@ PROMPTS = [
     "The capital of France is",
 ]
 
-# (prompt, new tokens, k, drafter): small enough for two CPU cores, wide enough to
-# cover k = 1..8, lengths 1..512, full acceptance, partial acceptance and none.
+# (prompt, new tokens, k, drafter, one-decode check): small enough for two CPU cores,
+# wide enough to cover k = 1..8, lengths 1..512, full acceptance, partial acceptance and
+# none. The check reads the server's decode counter after every round, which rules out
+# sending the next round ahead (`--send-ahead`, the default): the rows without it run
+# the default path.
 GRID = [
-    (0, 1, 1, "reference"),
-    (1, 17, 3, "reference"),
-    (2, 64, 8, "reference"),
-    (0, 512, 8, "reference"),
-    (1, 40, 4, "ngram"),
-    (2, 48, 5, "reference:noisy:0.05"),
-    (0, 24, 2, "reference:unrelated"),
-    (1, 40, 4, "onnx"),
-    (2, 40, 6, "genai"),
+    (0, 1, 1, "reference", True),
+    (1, 17, 3, "reference", False),
+    (2, 64, 8, "reference", True),
+    (0, 512, 8, "reference", False),
+    (1, 40, 4, "ngram", True),
+    (2, 48, 5, "reference:noisy:0.05", False),
+    (0, 24, 2, "reference:unrelated", True),
+    (1, 40, 4, "onnx", False),
+    (2, 40, 6, "genai", True),
 ]
 
 # Fields whose values depend on time, cache state or slot choice, not on the output.
 VOLATILE = {"timings", "id_slot", "tokens_cached"}
 
 
-@pytest.mark.parametrize(("prompt_index", "n_predict", "k", "drafter"), GRID)
+@pytest.mark.parametrize(("prompt_index", "n_predict", "k", "drafter", "checked"), GRID)
 async def test_native_completion_matches_server(
-    http, ref_server, spec_server, drafter_for, prompt_index, n_predict, k, drafter
+    http, ref_server, spec_server, drafter_for, prompt_index, n_predict, k, drafter, checked
 ):
     body = {
         "prompt": PROMPTS[prompt_index],
@@ -61,7 +64,7 @@ async def test_native_completion_matches_server(
     prompt = await tokenize(http, ref_server, PROMPTS[prompt_index])
     drafts: dict[int, list[int]] = {}
     opener = recording(drafter_for(drafter), drafts)
-    async with run_proxy(spec_server, opener, k, check_decodes=True) as proxy:
+    async with run_proxy(spec_server, opener, k, check_decodes=checked) as proxy:
         rounds = record_rounds(proxy.state.metrics)
         status, got, headers = await proxy.post("/completion", body)
         assert status == 200, got
@@ -78,6 +81,13 @@ async def test_native_completion_matches_server(
         # k+1 prompts fit one batch).
         assert metrics.rounds > 0
         assert metrics.decode_check_failures == 0
+        verify = [r for r in rounds if not getattr(r, "plain_run", False)]
+        sent_ahead = [r.sent_ahead for r in verify]
+        # unchecked, the default path: rounds went out before the last one was streamed
+        if checked:
+            assert not any(sent_ahead)
+        elif len(verify) > 3:
+            assert any(sent_ahead)
         # the drafter served the whole request (a failure would fall back to plain
         # decoding: lossless, so only this catches it)
         assert metrics.drafter_failures == 0 and proxy.state.drafters.failures == 0
@@ -86,7 +96,6 @@ async def test_native_completion_matches_server(
             assert timings["draft_n"] == metrics.draft_tokens
             assert timings["draft_n_accepted"] == metrics.accepted_tokens
         # the records are this request's verify rounds (and plain runs, if any)
-        verify = [r for r in rounds if not getattr(r, "plain_run", False)]
         assert len(verify) == metrics.rounds
         assert sum(r.n_drafted for r in verify) == metrics.draft_tokens
         assert sum(r.n_accepted for r in verify) == metrics.accepted_tokens

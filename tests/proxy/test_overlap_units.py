@@ -527,7 +527,15 @@ class ScriptSession(CountingSession):
         return draft
 
 
-async def _run_engine(early: bool, overlap: bool, consumer_sleep_s: float = 0.0):
+async def _run_engine(
+    early: bool,
+    overlap: bool,
+    consumer_sleep_s: float = 0.0,
+    send_ahead: bool | None = None,
+    calls_seen: list[int] | None = None,
+):
+    """`send_ahead` None: the one-decode check on (which rules sending ahead out);
+    `calls_seen`: the verify requests sent by the time each token was taken."""
     from proxy.engine import EngineSettings, Generation, GenerationParams
     from proxy.engine.server_text import PieceCache
     from tests.proxy.test_units import FakeUpstream
@@ -537,8 +545,9 @@ async def _run_engine(early: bool, overlap: bool, consumer_sleep_s: float = 0.0)
     session = ScriptSession(script, 2, {3, 9, 10, 17}, seen)
     upstream = FakeUpstream(script)
     settings = EngineSettings(
-        k=3, overlap="auto" if overlap else "off", early_draft=early, strict_decodes=True
-    )
+        k=3, overlap="auto" if overlap else "off", early_draft=early,
+        strict_decodes=send_ahead is None, send_ahead=bool(send_ahead),
+    )  # fmt: skip
     generation = Generation(
         upstream, [1, 2], GenerationParams(n_predict=30), 1000, AsyncSessionDrafter(session),
         PieceCache(upstream), settings=settings,
@@ -546,6 +555,8 @@ async def _run_engine(early: bool, overlap: bool, consumer_sleep_s: float = 0.0)
     tokens = []
     async for event in generation.run():
         tokens.append(event.token)
+        if calls_seen is not None:
+            calls_seen.append(len(upstream.calls))
         seen[0] += 1
         if consumer_sleep_s:
             await asyncio.sleep(consumer_sleep_s)  # a slow client: the proxy's own work
@@ -571,6 +582,33 @@ async def test_early_draft_drafts_the_next_round_while_the_last_is_committed():
     _, _, _, session = await _run_engine(False, False, consumer_sleep_s=0.02)
     assert len(session.synced_at) > 3
     assert all(consumed == n - n_prompt for n, consumed in session.synced_at)
+
+
+@pytest.mark.parametrize("send_ahead", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_rounds_sent_ahead_write_the_servers_output_and_go_out_before_streaming(
+    send_ahead, overlap
+):
+    """Sending ahead, the next round's verify request goes out before the consumer takes
+    the last round's first token (and its record says so); the output is the server's
+    either way, misses included."""
+    calls: list[int] = []
+    script, tokens, result, _ = await _run_engine(True, overlap, 0.002, send_ahead, calls)
+    assert tokens == script[:30]
+    assert any(r.n_accepted < r.n_drafted for r in result.rounds)
+    first_token, ahead = 0, []
+    for index, record in enumerate(result.rounds):
+        # round `index` is the (index+1)-th verify request; one more went out before its
+        # first token was taken where the next round was sent ahead
+        ahead.append(calls[first_token] - (index + 1))
+        first_token += record.n_committed
+    assert all(n in (0, 1) for n in ahead), ahead
+    sent = [r.sent_ahead for r in result.rounds]
+    assert sent[1:] == [n == 1 for n in ahead[:-1]]
+    if send_ahead:
+        assert sum(ahead) >= len(result.rounds) // 2, ahead
+    else:
+        assert not any(ahead) and not any(sent)
 
 
 def brute_force_two_lengths(
