@@ -91,8 +91,9 @@ start_with_vulkan() {  # start, with the Vulkan build (VK_JOBS jobs) beside it; 
   wait_for /tmp/vk.done 420 || tail -5 /tmp/vk.log  # no build beside the timed cells
 }
 strix_cell() {  # SIZE TREE CORES NAME OPTIONS...: a Strix Halo cell (runner-up hits 0.42)
-  # run from the checkout TREE (ab-before: the code before a change, carried; a later call
-  # that carries it again replaces the folder under a cell still running there)
+  # run from the checkout TREE (the code before a change: ab-before/, carried, copied to
+  # /tmp first: a later call replaces or removes it in the checkout, under a cell still
+  # running there)
   local size="$1" tree="$2" cores="$3" name="$4"; shift 4
   (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" taskset -c "$cores" python3 -m proxy.cli \
     bench --regime "strix-halo-vulkan-$size" "${STRIX[@]}" --oracle-runner-up-hits 0.42 "$@" \
@@ -442,9 +443,12 @@ case "$STAGE" in
     ;;
   s22)  # session 24's chain (see the list above)
     install_sources
+    # the code before the change, out of the checkout: a later call that does not carry
+    # ab-before/ removes it there (the single turns after the chats found it gone)
+    rm -rf /tmp/ab-before && cp -r ab-before /tmp/ab-before
     (
-      strix14 ab-before 0-3 chat-before --turns 3 -n 400
-      strix14 ab-before 0-3 single-before -n 128 --repeats 2
+      strix14 /tmp/ab-before 0-3 chat-before --turns 3 -n 400
+      strix14 /tmp/ab-before 0-3 single-before -n 128 --repeats 2
     ) > /tmp/emu-a.log 2>&1 &
     (
       strix14 . 4-7 chat-after --turns 3 -n 400
@@ -469,10 +473,10 @@ case "$STAGE" in
     ;;
   collect)  # STAGE SECONDS: what is there by then comes back, finished or not
     done=0; wait_for "/tmp/bg-$2.done" "$3" && done=1
-    grep -v "INFO proxy" "/tmp/bg-$2.log" | tail -60
+    grep -v "INFO proxy" "/tmp/bg-$2.log" | tail -60 || true  # nothing but INFO lines yet
     # one archive: a stage may write more files than a call brings back (8)
     tar czf "$OUT/bg-$2.tgz" -C "/tmp/bg-$2" .
-    grep -v "INFO proxy" "/tmp/bg-$2.log" > "$OUT/bg-$2.log"
+    grep -v "INFO proxy" "/tmp/bg-$2.log" > "$OUT/bg-$2.log" || true
     [ "$done" = 1 ] || { echo "STAGE $2 STILL RUNNING"; exit 1; }
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;

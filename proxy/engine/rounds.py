@@ -224,11 +224,12 @@ class Rounds:
                 min(self.k_max, round_.room - n_next - 1),
             )
         events = await self._commit(loop, round_)
-        await self._after_commit(loop, round_)
         if self._may_send_ahead(loop, round_):
             await self._send_ahead(loop, round_)
         for event in events:
             yield event
+        # a first round's slot copies come after its token is out (not in the TTFT)
+        await self._after_commit(loop, round_)
         await self._record(loop, round_)
 
     def _may_send_ahead(self, loop: LoopState, round_: _Round) -> bool:
@@ -239,7 +240,7 @@ class Rounds:
         reading would then span two rounds."""
         return (
             self.send_ahead
-            and round_.plan.drafts
+            and round_.plan.drafts  # no first-round fill (`_after_commit`) to come first
             and not loop.text.finished
             and not self.rule.sampled
             and not self.decodes.enabled

@@ -186,6 +186,46 @@ async def test_engine_stops_at_eos_inside_an_accepted_run():
     assert result.content == b"<10><11><12><99>"  # the piece as the server reported it
 
 
+class CopyingUpstream(FakeUpstream):
+    """A FakeUpstream with three idle slots that records each slot action, with how
+    many tokens the consumer had taken by then (`taken`)."""
+
+    def __init__(self, script: list[int], taken: list[int]):
+        super().__init__(script)
+        self.taken = taken
+        self.actions: list[tuple[str, int]] = []
+
+    async def slots(self):
+        return [{"id": i, "is_processing": False} for i in range(3)]
+
+    async def slot_action(self, id_slot, action, filename):
+        self.actions.append((action, self.taken[0]))
+        return {}
+
+
+@pytest.mark.parametrize("send_ahead", [True, False])
+async def test_a_cold_requests_first_token_is_streamed_before_its_slot_copies(send_ahead):
+    """The first round prefills one slot; copying it into the others comes after its
+    token is out, so the copies are not in the time to first token."""
+    from proxy.engine import SlotReplicator
+
+    script = list(range(100, 140))
+    taken = [0]
+    upstream = CopyingUpstream(script, taken)
+    generation = Generation(
+        upstream, [1, 2], GenerationParams(n_predict=20), n_ctx=1000,
+        drafter=ScriptDrafter(script, 2), pieces=PieceCache(upstream),
+        settings=EngineSettings(k=2, adaptive=False, send_ahead=send_ahead),
+        replicator=SlotReplicator(upstream, min_prompt=2),
+    )  # fmt: skip
+    tokens = []
+    async for event in generation.run():
+        tokens.append(event.token)
+        taken[0] += 1
+    assert tokens == script[:20]
+    assert upstream.actions[:2] == [("save", 1), ("restore", 1)]
+
+
 async def test_engine_never_drafts_past_n_predict():
     script = list(range(100, 130))
     upstream = FakeUpstream(script)
