@@ -234,13 +234,17 @@ class Rounds:
 
     def _may_send_ahead(self, loop: LoopState, round_: _Round) -> bool:
         """Whether the next round may be drafted and sent before this one is streamed
-        and recorded: a steady greedy round whose next draft was prepared, with the
-        text going on and no plain run due (decided before this round is observed: the
-        policies lag one round behind there). Not with the one-decode check, whose
-        reading would then span two rounds."""
+        and recorded: after a steady greedy round whose next draft was prepared, with
+        the text going on and no plain run due (decided before this round is observed:
+        the policies lag one round behind there). Not after a first round (its token
+        goes out first), nor after one whose slots caught up or were copied for it: the
+        draft-length policy does not count those, so the next round's index would be off
+        by one. Not with the one-decode check, whose reading would span two rounds."""
         return (
             self.send_ahead
-            and round_.plan.drafts  # no first-round fill (`_after_commit`) to come first
+            and bool(loop.rounds)
+            and bool(round_.drafted.tokens)
+            and not (round_.lagged or round_.copied)
             and not loop.text.finished
             and not self.rule.sampled
             and not self.decodes.enabled
@@ -257,13 +261,19 @@ class Rounds:
         the next verify request."""
         ahead = await self._prepare(loop, time.perf_counter(), upcoming=1)
         await self._draft(loop, ahead, upcoming=1)
-        ahead.verify_task = asyncio.create_task(
+        task = asyncio.create_task(
             self.rule.verify(self.upstream, ahead.committed, ahead.drafted.tokens)
         )
-        await asyncio.sleep(0)  # the request goes out now, not at the consumer's next wait
+
+        def back(_task: asyncio.Task[list[VerifyResult]]) -> None:
+            # when the result came, not when this round's tail let it be taken up
+            ahead.verify_back = time.perf_counter()
+
+        task.add_done_callback(back)
+        ahead.verify_task, self._ahead = task, ahead  # `abandon` sees it from now on
         round_.next_started = ahead.started
         round_.next_drafted, round_.next_draft_ms = len(ahead.drafted.tokens), ahead.draft_ms
-        self._ahead = ahead
+        await asyncio.sleep(0)  # the request goes out now, not at the consumer's next wait
 
     async def abandon(self) -> None:
         """The generation ends (or its client left): a round sent ahead is dropped (the
@@ -281,7 +291,7 @@ class Rounds:
             return
         stale = self.slots.stale(in_use, n_context)
         if stale:
-            self.slots.erasing = self.background.start(self.slots.empty(stale))
+            self.slots.erasing = self.background.start(self.slots.empty(stale, self.slots.erasing))
 
     async def _prepare(self, loop: LoopState, started: float, upcoming: int = 0) -> _Round:
         """Slot copies owed from plain runs, and how many drafts the round may verify:
@@ -331,12 +341,12 @@ class Rounds:
         """One batch of k+1 prompts: the target's token after each draft prefix (sent
         already where the round was sent ahead)."""
         if round_.verify_task is not None:
-            round_.results = await round_.verify_task
+            round_.results = await round_.verify_task  # its callback set `verify_back`
         else:
             round_.results = await self.rule.verify(
                 self.upstream, round_.committed, round_.drafted.tokens
             )
-        round_.verify_back = time.perf_counter()
+            round_.verify_back = time.perf_counter()
         round_.drafter_idle_ms = round_.verify_ms
         if round_.drafted_ahead:
             round_.drafter_idle_ms -= self.proposer.busy_ms(round_.verify_start, round_.verify_back)

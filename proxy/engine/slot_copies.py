@@ -306,15 +306,35 @@ class SlotCopies:
         slots would prefill what those lag by, the whole context on a cold start (0.6 s
         a slot at 4k on the H200; docs/BENCHMARKS.md, "Fifth run of the day"). Where
         enough slots were touched but one the batch will use lags far behind (`refresh`),
-        that one gets a fresh copy. Says what it did: "copied", "refreshed" or "" (nothing)."""
+        that one gets a fresh copy, and so do the slots `stale` emptied that the batch
+        needs. Says what it did: "copied", "refreshed" or "" (nothing)."""
+        refilled = await self._refill(n_prompts, n_context)
         missing = n_prompts - len(self.touched)
         if missing <= 0:
-            return "refreshed" if await self.refresh(n_prompts, n_context) else ""
+            return "refreshed" if await self.refresh(n_prompts, n_context) or refilled else ""
         copied = await self._copy(
             self.fullest, missing, self._untouched_lag(n_context), keep=self.touched,
             n_context=n_context,
         )  # fmt: skip
         return "copied" if copied else ""
+
+    async def _refill(self, n_prompts: int, n_context: int) -> bool:
+        """Before a batch of `n_prompts` prompts: where fewer of the slots this
+        generation touched hold its context than that, the ones `stale` emptied get a
+        fresh copy of the fullest first (one emptied slot left empty would prefill the
+        whole context inside the batch). True when it copied."""
+        emptied = sorted(s for s in self.touched if self.holds.get(s) == 0)
+        need = min(len(emptied), n_prompts - (len(self.touched) - len(emptied)))
+        replicator = self.replicator
+        if need <= 0 or replicator is None or not replicator.available or self.fullest < 0:
+            return False
+        await self._erased()
+        copied = await replicator.replicate(self.fullest, need, self.slot_file, into=emptied[:need])
+        if copied:
+            log.info("slots %s were emptied: copied the context afresh", copied)
+            self.saved_at = n_context
+            self.holds.update(dict.fromkeys(copied, n_context))
+        return bool(copied)
 
     def _untouched_lag(self, n_context: int) -> int:
         """How far the idle slots this generation has not touched lag behind: taken as
@@ -443,8 +463,11 @@ class SlotCopies:
         if erasing is not None:
             await asyncio.gather(erasing, return_exceptions=True)
 
-    async def empty(self, slots: Collection[int]) -> None:
-        """Erase `slots` (`stale`'s): only speed depends on it, so a failure is logged."""
+    async def empty(self, slots: Collection[int], after: asyncio.Task[None] | None = None) -> None:
+        """Erase `slots` (`stale`'s), after the erasing started before (`after`): only
+        speed depends on it, so a failure is logged."""
+        if after is not None:
+            await asyncio.gather(after, return_exceptions=True)
         if self.replicator is None:
             return
         try:

@@ -634,6 +634,28 @@ async def test_a_slot_left_behind_for_good_is_emptied_where_a_fresh_copy_would_r
         assert server.actions[-2:] == [(0, "save"), (2, "restore")]
 
 
+async def test_emptied_slots_a_longer_batch_needs_are_filled_before_it():
+    """Two k = 3 rounds touched slots 0-3; k = 1 rounds since left 2 and 3 behind, and
+    both were emptied. A 4-prompt batch gets both filled afresh first (one left empty
+    would prefill the whole context inside the batch); a 3-prompt batch, one."""
+    server = SlotServer()
+    copies = copies_after_a_cold_fill(server, prefill_ms_per_token=4.0)
+    await copies.after_first_round(0, n_cached=0)
+    copies.used([0, 1, 2, 3], fullest=3, holds=dict.fromkeys(range(4), 520))
+    copies.used([0, 1], fullest=0, holds={0: 600, 1: 599})
+    assert copies.stale({0, 1}, 600) == [2, 3]
+    await copies.empty([2, 3])
+    before = len(server.actions)
+    assert await copies.warm_for(3, 600) == "refreshed"
+    assert server.actions[before:] == [(0, "save"), (2, "restore")]
+    assert copies.holds[2] == 600 and copies.holds[3] == 0
+    copies.used([0, 1], fullest=0, holds={0: 700, 1: 699})
+    copies.holds[2] = 0  # emptied again
+    before = len(server.actions)
+    assert await copies.warm_for(4, 700) == "refreshed"
+    assert server.actions[before:] == [(0, "save"), (2, "restore"), (3, "restore")]
+
+
 @pytest.mark.parametrize(
     ("prefill_ms_per_token", "lag"),
     [(0.074, 100), (4.0, 40)],  # the H200's prefill: a save costs more; a short lag
