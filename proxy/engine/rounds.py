@@ -52,11 +52,9 @@ class _Round:
     lagged: bool = False
     # sent ahead: its verification, sent while the proxy still committed the last round
     verify_task: asyncio.Task[list[VerifyResult]] | None = None
-    # the round sent ahead after this one: when it started, and its draft (what it
-    # waited judges this round's choice to draft ahead)
-    next_started: float | None = None
-    next_drafted: int | None = None
-    next_draft_ms: float = 0.0
+    # the round sent ahead after this one (its draft judges this round's choice to
+    # draft ahead; it starts where this one ends)
+    next: _Round | None = None
 
     @property
     def verify_ms(self) -> float:
@@ -94,7 +92,6 @@ class Rounds:
         self.observer = observer
         self.background = background
         self.send_ahead = send_ahead
-        self._started = 0  # rounds started (plain runs included)
         self._ahead: _Round | None = None  # the round sent ahead, not yet taken up
 
     def plain_run_length(self, loop: LoopState) -> int:
@@ -110,7 +107,6 @@ class Rounds:
     async def plain_run(self, loop: LoopState, n: int, started: float) -> AsyncIterator[TokenEvent]:
         """The server decodes up to n tokens alone, in one request."""
         loop.awaiting_overlap = None
-        self._started += 1
         await self.proposer.stop_ahead()  # its line would be stale after the run
         context = self.prompt + loop.text.tokens
         shadow = None
@@ -271,8 +267,7 @@ class Rounds:
 
         task.add_done_callback(back)
         ahead.verify_task, self._ahead = task, ahead  # `abandon` sees it from now on
-        round_.next_started = ahead.started
-        round_.next_drafted, round_.next_draft_ms = len(ahead.drafted.tokens), ahead.draft_ms
+        round_.next = ahead
         await asyncio.sleep(0)  # the request goes out now, not at the consumer's next wait
 
     async def abandon(self) -> None:
@@ -299,8 +294,8 @@ class Rounds:
         stay below the slot's context; the round commits at most k+1 tokens), none in a
         first round that prefills one slot. `upcoming` 1: sent ahead, before the last
         round is observed."""
-        index, self._started = self._started, self._started + 1
-        lagged = loop.after_run or index == 1
+        # the round after the first (a round sent ahead never is: none follows a first)
+        lagged = loop.after_run or (not upcoming and len(loop.rounds) == 1)
         if loop.after_run:
             # speculation again after plain runs: copy the slot that holds the context
             # into the slots the rounds use, instead of letting each of them prefill what
@@ -386,7 +381,8 @@ class Rounds:
         slots_lagged = round_.lagged
         # a round ends where the next one, sent ahead, started: its own tail overlapped
         # that one's verification
-        ended = round_.next_started or time.perf_counter()
+        after = round_.next
+        ended = after.started if after is not None else time.perf_counter()
         total_ms = (ended - round_.started) * 1e3
         drafted, acceptance = round_.drafted, round_.acceptance
         record = RoundRecord(
@@ -417,15 +413,15 @@ class Rounds:
             resynced=drafted.resynced,
             runner_up_line=drafted.runner_up_line,
             drafted_ahead=round_.drafted_ahead,
-            next_drafted=round_.next_drafted,
-            next_draft_ms=round_.next_draft_ms,
+            next_drafted=len(after.drafted.tokens) if after is not None else None,
+            next_draft_ms=after.draft_ms if after is not None else 0.0,
             sent_ahead=round_.verify_task is not None,
         )
         loop.last_back = round_.verify_back
-        if record.drafted_ahead is not None and round_.next_drafted is None:
+        if record.drafted_ahead is not None and after is None:
             loop.awaiting_overlap = record  # judged by the next round's draft
         self._close_round(loop, record)
-        if round_.next_drafted is not None:
+        if after is not None:
             self.policies.observe_next_draft(record)
         if round_.plan.one_slot:
             loop.after_run = True

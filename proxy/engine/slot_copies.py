@@ -439,7 +439,7 @@ class SlotCopies:
         refreshes them, as it would have anyway). With unified KV every decode attends
         over every cell in use: on the Strix Halo 14B chats (emulated) a third slot
         left behind by each k = 2 try held 513-1,252 cells, ~0.4-1.0 ms of every ~55 ms
-        round (docs/BENCHMARKS.md, "Slots left behind, emptied"). Where a copy costs
+        round (docs/BENCHMARKS.md, "Slots left behind emptied"). Where a copy costs
         more than a catch-up (the H200: a save costs twice a prefill a token) nothing is
         stale."""
         replicator = self.replicator
