@@ -107,6 +107,11 @@ class ProxySettings(BaseSettings):
     queue_timeout_s: float = Field(300.0, gt=0)
     verify_timeout_s: float = Field(600.0, gt=0)
     check_decodes: bool = Field(False, description="check one server decode per round")
+    log_rounds: bool = Field(
+        False,
+        description="log one line per round: its drafts, times, and each prompt's slot, "
+        "tokens ingested and server time (for diagnosis)",
+    )
     strict_decodes: bool = Field(False, description="fail a request whose round decodes != 1")
     attach_policy: Literal["refuse", "degrade"] = "refuse"
 

@@ -293,6 +293,15 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
+        ("--log-rounds",),
+        {
+            "action": "store_true",
+            "dest": "log_rounds",
+            "help": "log one line per round: its drafts, times, and each prompt's slot, "
+            "tokens ingested and server time (default: off)",
+        },
+    ),
+    (
         ("--attach-policy",),
         {
             "choices": ["refuse", "degrade"],
@@ -491,6 +500,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigFileError as error:
         raise UserError(str(error)) from None
     check_before_start(settings)
+    if settings.log_rounds:
+        from proxy.engine.rounds import ROUND_LOG
+
+        logging.getLogger(ROUND_LOG).setLevel(logging.DEBUG)
     try:
         return asyncio.run(serve(settings))
     except KeyboardInterrupt:

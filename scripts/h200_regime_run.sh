@@ -55,6 +55,10 @@
 #           then single turns with the code before the change (carried in ab-before/) on
 #           0-3 and after it on 4-7 (the single turns also with --send-ahead off), and the
 #           Strix Halo 32B 3-turn chats after it on 8-15
+#   s23     start; verify-cost parts a, h, m at 512 (k = 3, 4) with llama.cpp's graph
+#           reuse on and off (LLAMA_GRAPH_REUSE_DISABLE); always speculating on gen-lru at
+#           512 with every round logged (defaults, --send-ahead off, fixed k = 3), and the
+#           defaults again with graph reuse off
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -124,6 +128,28 @@ exact_gen_lru() {  # always speculating, gen-lru at 512, 2 repeats, checked exac
     --oracle-delay-steps 0.12 --proxy-variant 'spec=--plain-runs off' --exact-check all \
     --work-dir /tmp/exact -o "$OUT/h200-spec-exact-gen-lru.json" | tail -25 \
     || echo "exact FAILED"
+}
+spec_gen_lru() {  # NAME VARIANTS...: always speculating (each --proxy-variant gets
+  # --plain-runs off --log-rounds), gen-lru at 512, 3 repeats, checked exactly (cores
+  # 0-7); each round's line from the proxies' logs to $OUT
+  local name="$1"; shift
+  local variants=()
+  for v in "$@"; do variants+=(--proxy-variant "${v%%=*}=--plain-runs off --log-rounds ${v#*=}"); done
+  taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+    --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru \
+    --modes plain,oracle -k 6 --repeats 3 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
+    --oracle-delay-steps 0.12 "${variants[@]}" --exact-check all \
+    --work-dir "/tmp/spec-$name" -o "$OUT/h200-spec-$name.json" | tail -25 \
+    || echo "spec $name FAILED"
+  for log in "/tmp/spec-$name"/logs/*.proxy.log; do
+    grep -h 'rounds.log' "$log" > "$OUT/rounds-$name-$(basename "$log" .proxy.log).log" || true
+  done
+}
+graph_costs() {  # NAME: verify-cost parts a, h, m at 512, k = 3 and 4 (cores 0-7)
+  taskset -c 0-7 python3 -m proxy.cli verify-cost --target /tmp/m14/target.gguf \
+    --variant 'base=-ngl 99 -fa on' --context 512 -k 3,4 --parts a,h,m --np-large 7 \
+    --np-ks none --repeats 8 --warmup 2 --work-dir "/tmp/vc-$1" \
+    -o "$OUT/h200-vc-$1.json" | tail -20 || echo "verify-cost $1 FAILED"
 }
 
 case "$STAGE" in
@@ -457,6 +483,13 @@ case "$STAGE" in
     strix_cell 32b . 8-15 chat-after --turns 3 -n 400 > /tmp/emu-c.log 2>&1 &
     wait
     cat /tmp/emu-a.log /tmp/emu-b.log /tmp/emu-c.log | grep -v "INFO proxy"
+    ;;
+  s23)  # session 25's chain (see the list above)
+    bash scripts/h200_regime_run.sh start
+    graph_costs reuse
+    LLAMA_GRAPH_REUSE_DISABLE=1 graph_costs noreuse
+    spec_gen_lru now 'spec=' 'noahead=--send-ahead off' 'k3=-k 3 --fixed-k'
+    LLAMA_GRAPH_REUSE_DISABLE=1 spec_gen_lru noreuse 'spec='
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources

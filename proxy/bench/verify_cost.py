@@ -34,6 +34,9 @@ ids (the cost of a pass does not depend on which tokens it sees):
   prefill's queries may attend over every cell of the pool, and a save or restore
   works over the whole pool. Against f it gives the cost per cell of the pool's span
   of a 512-token micro-batch and of the slot actions;
+- m: part h's rounds with the number accepted changing every round (j = 0, 1, .., k in
+  turn), as a generation's rounds do: a batch of another shape than the last one makes
+  llama.cpp build its compute graph anew, where h's rows repeat one shape and reuse it;
 - i: on a plain server (the bench's plain mode: -np 1, the RAM prompt cache on, as
   llama-server runs by default), a fresh prompt of the context's length while the slot
   holds another, against the same on an emptied slot: before it prefills, the server
@@ -89,7 +92,7 @@ from proxy.server.upstream import (
 log = logging.getLogger(__name__)
 
 SCHEMA = "npu-spec-verify-cost/1"
-PARTS = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
+PARTS = ("a", "b", "c", "d", "e", "f", "g", "h", "m", "i")
 DECODES = "llamacpp:n_decode_total"
 PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
@@ -355,15 +358,19 @@ class Bench:
                 samples.append(sample)
         return samples
 
-    async def rounds(self, ctx: list[int], k: int, j: int | None = None) -> list[dict[str, Any]]:
-        """d/e/h: steady-state verify rounds after j accepted (default k // 2); slot i
-        must already hold `ctx` for i <= k."""
+    async def rounds(
+        self, ctx: list[int], k: int, j: int | None = None, turns: bool = False
+    ) -> list[dict[str, Any]]:
+        """d/e/h: steady-state verify rounds after j accepted (default k // 2); m
+        (`turns`): after 0, 1, .., k accepted in turn. Slot i must already hold `ctx` for
+        i <= k."""
         j = k // 2 if j is None else j
         drafts = self.tokens(k)
         # untimed: lay out the slots as a previous round leaves them (ctx + d1..di)
         await self.client.completion(_round_body(ctx, drafts))
         samples = []
         for i in range(self.options.warmup + self.options.repeats):
+            j = i % (k + 1) if turns else j
             ctx = ctx + drafts[:j] + self.tokens(1)  # j accepted + the correction
             drafts = self.tokens(k)
             sample = await self._timed(_round_body(ctx, drafts))
@@ -405,7 +412,7 @@ def slot_ctx_needed(options: VerifyCostOptions, context: int) -> int:
         options.plain_tokens + 1,
         rounds * max([*options.new_tokens, 1]),
         *((rounds + 1) * (k // 2 + 1) + k + 1 for k in ks),
-        *((rounds + 1) * (k + 1) + k + 1 for k in (ks if "h" in options.parts else [])),
+        *((rounds + 1) * (k + 1) + k + 1 for k in (ks if {"h", "m"} & set(options.parts) else [])),
     ]
     return context + max(grow) + 16
 
@@ -461,7 +468,7 @@ class Session:
         self, variant: Variant, context: int, part: str, what: str, np: int,
         samples: list[dict[str, Any]], **extra: Any,
     ) -> None:  # fmt: skip
-        if "k" in extra:  # a verify round: what it must ingest at j (d, e: k // 2)
+        if "k" in extra and part != "m":  # a verify round: what it must ingest at j (d, e: k // 2)
             j = extra.get("accepted", extra["k"] // 2)
             extra["expected_tokens"] = expected_round_tokens(extra["k"], j)
         row = {"variant": variant.name, "context": context, "part": part, "what": what,
@@ -505,6 +512,12 @@ class Session:
                     samples = await bench.rounds(ctx, k, j)
                     self._row(variant, context, "h", f"h: k={k}, after {j} accepted", slots,
                               samples, k=k, accepted=j, idle_slots="empty")  # fmt: skip
+            for k in o.ks if "m" in o.parts else []:
+                await bench.erase_all(slots)
+                await bench.fill(list(range(k + 1)), ctx, "ctx.bin")
+                samples = await bench.rounds(ctx, k, turns=True)
+                self._row(variant, context, "m", f"m: k={k}, after 0..{k} accepted in turn",
+                          slots, samples, k=k, idle_slots="empty")  # fmt: skip
             if "f" in o.parts:
                 samples = await bench.copies(context, slots)
                 self._row(variant, context, "f", "f: cold prefill, save, restore", slots, samples)
@@ -752,7 +765,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="e: for these k, -np k+1 vs --np-large with idle slots full ('none' skips)",
     )
     parser.add_argument(
-        "--parts", type=_parts, default=list(PARTS), help="comma list of a,b,c,d,e,f,g,h,i"
+        "--parts", type=_parts, default=list(PARTS), help="comma list of a,b,c,d,e,f,g,h,m,i"
     )
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per row")

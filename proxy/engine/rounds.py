@@ -4,6 +4,8 @@ steps, draft -> verify -> accept -> commit -> record."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field, replace
@@ -22,6 +24,9 @@ from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.engine.slot_copies import FirstRound, SlotCopies
 from proxy.policies import Policies
 from proxy.server.upstream import UpstreamClient
+
+ROUND_LOG = "proxy.engine.rounds.log"  # `--log-rounds` sets it to DEBUG
+round_log = logging.getLogger(ROUND_LOG)
 
 
 @dataclass
@@ -418,6 +423,8 @@ class Rounds:
             sent_ahead=round_.verify_task is not None,
         )
         loop.last_back = round_.verify_back
+        if round_log.isEnabledFor(logging.DEBUG):
+            round_log.debug("round %s", _round_line(len(loop.rounds), round_, record))
         if record.drafted_ahead is not None and after is None:
             loop.awaiting_overlap = record  # judged by the next round's draft
         self._close_round(loop, record)
@@ -439,3 +446,20 @@ class Rounds:
         self.policies.observe(record)
         if self.observer is not None:
             self.observer.observe_round(record)
+
+
+def _round_line(index: int, round_: _Round, record: RoundRecord) -> str:
+    """One round as a JSON line (`--log-rounds`): what it drafted and accepted, its
+    times, and per prompt the slot, the tokens it ingested and found cached and the
+    server's time, where the round's cost comes from."""
+    return json.dumps({
+        "i": index, "k": round_.k, "n_drafted": record.n_drafted,
+        "n_accepted": record.n_accepted, "n_context": len(round_.committed),
+        "draft_ms": round(record.draft_ms, 2), "verify_ms": round(record.verify_ms, 2),
+        "overhead_ms": round(record.overhead_ms, 2), "server_ms": round(record.server_ms, 2),
+        "draft_ready_ms": round(record.draft_ready_ms, 2),
+        "verify_sent_ms": round(record.verify_sent_ms, 2), "round_ms": round(record.round_ms, 2),
+        "sent_ahead": record.sent_ahead, "catch_up": record.catch_up, "copied": round_.copied,
+        "ahead": record.drafted_ahead, "reused": record.n_reused,
+        "slots": [[r.id_slot, r.prompt_n, r.cached, round(r.server_ms, 2)] for r in round_.results],
+    }, separators=(",", ":"))  # fmt: skip

@@ -84,6 +84,8 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
         "h: k=2, after 0 accepted",
         "h: k=2, after 1 accepted",
         "h: k=2, after 2 accepted",
+        "m: k=1, after 0..1 accepted in turn",
+        "m: k=2, after 0..2 accepted in turn",
         "i: plain server, a new prompt after another",
     }
     for row in result["rows"]:
@@ -108,13 +110,18 @@ def test_verify_cost_runs_and_rounds_take_one_decode(
     assert switch["save_ms"] < switch["ms"] and switch["cold_ms"] > 0
     assert "-np" in (plain := result["servers"][-1]["command"]) and "-kvu" not in plain
     # the claim the proxy rests on: k+1 prompts in one request are one llama_decode
-    verify_rows = [r for r in result["rows"] if r["part"] in ("d", "e", "h")]
-    assert len(verify_rows) == 10
+    verify_rows = [r for r in result["rows"] if r["part"] in ("d", "e", "h", "m")]
+    assert len(verify_rows) == 12
     # h: what a round ingests after j accepted, as the server counts it: the triangle
     # plus every slot's catch-up (the ceiling's t_v(k) weights these by the acceptance)
     for row in (r for r in verify_rows if r["part"] == "h"):
         assert row["tokens_per_round"] == row["expected_tokens"], row["what"]
         assert row["expected_tokens"] == expected_round_tokens(row["k"], row["accepted"])
+    # m: the number accepted changes every round, and with it what the round ingests
+    for row in (r for r in verify_rows if r["part"] == "m"):
+        tokens = [s["tokens"] for s in row["samples"]]
+        assert tokens == [expected_round_tokens(row["k"], j % (row["k"] + 1))
+                          for j in range(1, 1 + len(tokens))], row["what"]  # fmt: skip
     for row in verify_rows:
         for sample in row["samples"]:
             assert sample["decodes"] == 1, (row["what"], sample)

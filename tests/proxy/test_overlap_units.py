@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import random
 from collections.abc import Sequence
 
@@ -614,6 +616,33 @@ async def test_rounds_sent_ahead_write_the_servers_output_and_go_out_before_stre
         assert sum(ahead) >= len(result.rounds) // 2, ahead
     else:
         assert not any(ahead) and not any(sent)
+
+
+async def test_log_rounds_writes_one_json_line_per_round_with_its_slots(caplog):
+    """`--log-rounds`: one JSON line per speculative round, and per prompt its slot,
+    the tokens it ingested and found cached, matching the round's record."""
+    from proxy.engine.rounds import ROUND_LOG
+
+    with caplog.at_level(logging.DEBUG, logger=ROUND_LOG):
+        _, _, result, _ = await _run_engine(True, True, send_ahead=True)
+    lines = [json.loads(r.getMessage().removeprefix("round ")) for r in caplog.records
+             if r.name == ROUND_LOG]  # fmt: skip
+    assert len(lines) == len(result.rounds)
+    for line, record in zip(lines, result.rounds, strict=True):
+        assert line["n_drafted"] == record.n_drafted
+        assert line["n_accepted"] == record.n_accepted
+        assert line["sent_ahead"] == record.sent_ahead
+        assert len(line["slots"]) == record.n_drafted + 1  # one prompt per draft prefix
+        assert sum(s[1] for s in line["slots"]) == record.server_prompt_tokens
+    assert any(line["sent_ahead"] for line in lines)
+
+
+async def test_rounds_are_not_logged_without_log_rounds(caplog):
+    from proxy.engine.rounds import ROUND_LOG
+
+    with caplog.at_level(logging.INFO):
+        await _run_engine(True, True, send_ahead=True)
+    assert not [r for r in caplog.records if r.name == ROUND_LOG]
 
 
 def brute_force_two_lengths(
