@@ -61,6 +61,12 @@ class ProxySettings(BaseSettings):
         description="draft and send the next round's verification as soon as a verify result "
         "is back, before the proxy streams and records the round's tokens",
     )
+    pad_rounds: bool = Field(
+        False,
+        description="pad every verify round of the same length as the last to one batch "
+        "shape with one more prompt in a spare slot, so that llama-server reuses its compute "
+        "graph and its CUDA backend replays it (greedy, one generation on the server)",
+    )
     slot_file_reuse: bool = Field(
         True,
         description="a generation restores the slot file it saved earlier, as it is, where "

@@ -148,6 +148,16 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
+        ("--pad-rounds",),
+        {
+            "choices": ["on", "off"],
+            "dest": "pad_rounds",
+            "help": "on: pad every verify round of the same length as the last to one batch "
+            "shape, with one more prompt in a spare slot, so that llama-server reuses its "
+            "compute graph (CUDA graphs replay it); off: no padding (default: %(default)s)",
+        },
+    ),
+    (
         ("--runner-up-lines",),
         {
             "choices": ["on", "off"],

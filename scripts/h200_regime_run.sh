@@ -57,8 +57,9 @@
 #           Strix Halo 32B 3-turn chats after it on 8-15
 #   s23     start; verify-cost parts a, h, m at 512 (k = 3, 4) with llama.cpp's graph
 #           reuse on and off (LLAMA_GRAPH_REUSE_DISABLE); always speculating on gen-lru at
-#           512 with every round logged (defaults, --send-ahead off, fixed k = 3), and the
-#           defaults again with graph reuse off
+#           512 with every round logged (defaults, --pad-rounds on, --send-ahead off, fixed
+#           k = 3 with and without padding), the defaults and padding again with graph
+#           reuse off, and the 3-turn chats with and without padding
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -144,6 +145,17 @@ spec_gen_lru() {  # NAME VARIANTS...: always speculating (each --proxy-variant g
   for log in "/tmp/spec-$name"/logs/*.proxy.log; do
     grep -h 'rounds.log' "$log" > "$OUT/rounds-$name-$(basename "$log" .proxy.log).log" || true
   done
+}
+spec_chats() {  # VARIANTS...: always speculating, 3-turn chats of gen-lru and chat-travel
+  # at 512, rounds logged (cores 0-7)
+  local variants=()
+  for v in "$@"; do variants+=(--proxy-variant "${v%%=*}=--plain-runs off --log-rounds ${v#*=}"); done
+  taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+    --server-args='-ngl 99 -fa on' --context 512 --turns 3 -n 400 \
+    --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 6 --repeats 1 \
+    --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12 \
+    "${variants[@]}" --work-dir /tmp/spec-chats -o "$OUT/h200-spec-chats.json" | tail -25 \
+    || echo "spec chats FAILED"
 }
 graph_costs() {  # NAME: verify-cost parts a, h, m at 512, k = 3 and 4 (cores 0-7)
   taskset -c 0-7 python3 -m proxy.cli verify-cost --target /tmp/m14/target.gguf \
@@ -488,8 +500,10 @@ case "$STAGE" in
     bash scripts/h200_regime_run.sh start
     graph_costs reuse
     LLAMA_GRAPH_REUSE_DISABLE=1 graph_costs noreuse
-    spec_gen_lru now 'spec=' 'noahead=--send-ahead off' 'k3=-k 3 --fixed-k'
-    LLAMA_GRAPH_REUSE_DISABLE=1 spec_gen_lru noreuse 'spec='
+    spec_gen_lru now 'spec=' 'pad=--pad-rounds on' 'noahead=--send-ahead off' \
+      'k3=-k 3 --fixed-k' 'k3pad=-k 3 --fixed-k --pad-rounds on'
+    LLAMA_GRAPH_REUSE_DISABLE=1 spec_gen_lru noreuse 'spec=' 'pad=--pad-rounds on'
+    spec_chats 'spec=' 'pad=--pad-rounds on'
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources

@@ -79,6 +79,7 @@ from typing import Any
 from proxy.bench.host import host_info
 from proxy.bench.options import Variant, comma_choices, context_list, int_list, parse_variant
 from proxy.bench.results import default_result_path, jsonable, now_utc, write_json
+from proxy.engine.round_shape import round_tokens
 from proxy.server.llama_server import LlamaServerProcess, find_llama_server
 from proxy.server.managed import ServerLayout, managed_server
 from proxy.server.upstream import (
@@ -391,8 +392,9 @@ def expected_round_tokens(k: int, j: int) -> int:
     accepted. Every prompt shares ctx + d1..dj with the slots that held >= j drafts,
     so prompt i needs its correction and i new drafts: (k+1)(k+2)/2 in all; the j
     slots that held i < j drafts also miss d(i+1)..dj: j(j+1)/2 more. The total does
-    not depend on which prompt lands in which slot."""
-    return (k + 1) * (k + 2) // 2 + j * (j + 1) // 2
+    not depend on which prompt lands in which slot (the engine's pad prompts rely on
+    it: `proxy.engine.round_shape`)."""
+    return round_tokens(k, j)
 
 
 def _json_ms(body: dict[str, Any]) -> float:

@@ -69,6 +69,8 @@ class RoundRecord:
     # its draft and verify request went out before the last round's tokens were
     # streamed and recorded (`--send-ahead`)
     sent_ahead: bool = False
+    # tokens its pad prompt made the server ingest (`--pad-rounds`; 0: not padded)
+    pad_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from proxy.engine.decode_check import DecodeCounter
 from proxy.engine.drafting import GreedyDraft
 from proxy.engine.loop_state import LoopState
 from proxy.engine.proposer import DraftOutcome, Proposer
+from proxy.engine.round_shape import RoundShape, filler_tokens
 from proxy.engine.rules import Rule
 from proxy.engine.server_text import PieceCache, TokenEvent
 from proxy.engine.slot_copies import FirstRound, SlotCopies
@@ -47,6 +48,9 @@ class _Round:
     drafted_ahead: bool | None = None
     drafter_idle_ms: float = 0.0
     results: list[VerifyResult] = field(default_factory=list)
+    # one more prompt that pads the batch to the length's one shape, and its result
+    pad: list[int] = field(default_factory=list)
+    pad_result: VerifyResult | None = None
     acceptance: Acceptance = field(default_factory=lambda: Acceptance(0, [], 0))
     n_committed: int = 0
     copied: bool = False  # slots were copied for it (its times are no steady round's)
@@ -84,6 +88,7 @@ class Rounds:
         observer: RoundObserver | None,
         background: BackgroundTasks,
         send_ahead: bool = True,
+        pad_rounds: bool = False,
     ) -> None:
         self.upstream = upstream
         self.prompt = prompt
@@ -98,6 +103,10 @@ class Rounds:
         self.background = background
         self.send_ahead = send_ahead
         self._ahead: _Round | None = None  # the round sent ahead, not yet taken up
+        self.shape = RoundShape(filler_tokens(prompt)) if pad_rounds else None
+        # the last verify round's drafts and how many were accepted (None after a plain
+        # run): a round of as many drafts ingests what `round_shape` predicts
+        self._last_drafts: tuple[int, int] | None = None
 
     def plain_run_length(self, loop: LoopState) -> int:
         """Tokens the server should decode alone next (0: a speculative round); never
@@ -112,6 +121,7 @@ class Rounds:
     async def plain_run(self, loop: LoopState, n: int, started: float) -> AsyncIterator[TokenEvent]:
         """The server decodes up to n tokens alone, in one request."""
         loop.awaiting_overlap = None
+        self._last_drafts = None
         await self.proposer.stop_ahead()  # its line would be stale after the run
         context = self.prompt + loop.text.tokens
         shadow = None
@@ -208,6 +218,7 @@ class Rounds:
         round_.acceptance = self.rule.accept(round_.drafted.tokens, round_.dists, round_.results)
         # the prompt that ends at the last accepted draft: its slot holds the most
         n_accepted = round_.acceptance.n_accepted
+        self._last_drafts = (len(round_.drafted.tokens), n_accepted)
         fullest = round_.results[n_accepted].id_slot
         # prompt i ended at draft i: its slot holds the committed prefix up to there
         holds = {
@@ -263,7 +274,7 @@ class Rounds:
         ahead = await self._prepare(loop, time.perf_counter(), upcoming=1)
         await self._draft(loop, ahead, upcoming=1)
         task = asyncio.create_task(
-            self.rule.verify(self.upstream, ahead.committed, ahead.drafted.tokens)
+            self.rule.verify(self.upstream, ahead.committed, ahead.drafted.tokens, ahead.pad)
         )
 
         def back(_task: asyncio.Task[list[VerifyResult]]) -> None:
@@ -326,6 +337,7 @@ class Rounds:
         round_.draft_ready = time.perf_counter()
         warmed = await self.slots.warm_for(n_drafted + 1, len(round_.committed))
         round_.copied, round_.refreshed = bool(warmed), warmed == "refreshed"
+        round_.pad = self._pad(round_, n_drafted)
         round_.verify_start = time.perf_counter()
         if loop.awaiting_overlap is not None:  # the last round's choice, judged
             awaiting, loop.awaiting_overlap = loop.awaiting_overlap, None
@@ -337,16 +349,40 @@ class Rounds:
             self.policies.observe_next_draft(judged)
         round_.drafted_ahead = self.proposer.draft_ahead(n_drafted, upcoming)
 
+    def _pad(self, round_: _Round, n_drafted: int) -> list[int]:
+        """The pad prompt of a round of `n_drafted` drafts after one of as many (none
+        where slots were copied for it, which changes what its prompts ingest, or where
+        the server has no slot to spare for it)."""
+        last = self._last_drafts
+        if (
+            self.shape is None or not n_drafted or round_.copied or last is None
+            or last[0] != n_drafted or not self.policies.spare_slots(n_drafted + 2)
+        ):  # fmt: skip
+            return []
+        return self.shape.pad(n_drafted, last[1])
+
+    def _pad_slot(self, id_slot: int) -> None:
+        """The pad prompt took `id_slot`: no slot copy goes there from now on (a slot
+        the generation had used and the pad prompt took holds nothing of it now)."""
+        assert self.shape is not None
+        if id_slot >= 0 and id_slot != self.shape.slot:
+            self.shape.slot = id_slot
+            self.slots.reserve(id_slot)
+
     async def _verify(self, loop: LoopState, round_: _Round) -> None:
         """One batch of k+1 prompts: the target's token after each draft prefix (sent
         already where the round was sent ahead)."""
         if round_.verify_task is not None:
-            round_.results = await round_.verify_task  # its callback set `verify_back`
+            results = await round_.verify_task  # its callback set `verify_back`
         else:
-            round_.results = await self.rule.verify(
-                self.upstream, round_.committed, round_.drafted.tokens
+            results = await self.rule.verify(
+                self.upstream, round_.committed, round_.drafted.tokens, round_.pad
             )
             round_.verify_back = time.perf_counter()
+        if round_.pad:
+            *results, round_.pad_result = results
+            self._pad_slot(round_.pad_result.id_slot)
+        round_.results = results
         round_.drafter_idle_ms = round_.verify_ms
         if round_.drafted_ahead:
             round_.drafter_idle_ms -= self.proposer.busy_ms(round_.verify_start, round_.verify_back)
@@ -421,6 +457,7 @@ class Rounds:
             next_drafted=len(after.drafted.tokens) if after is not None else None,
             next_draft_ms=after.draft_ms if after is not None else 0.0,
             sent_ahead=round_.verify_task is not None,
+            pad_tokens=round_.pad_result.prompt_n if round_.pad_result is not None else 0,
         )
         loop.last_back = round_.verify_back
         if round_log.isEnabledFor(logging.DEBUG):
@@ -460,6 +497,6 @@ def _round_line(index: int, round_: _Round, record: RoundRecord) -> str:
         "draft_ready_ms": round(record.draft_ready_ms, 2),
         "verify_sent_ms": round(record.verify_sent_ms, 2), "round_ms": round(record.round_ms, 2),
         "sent_ahead": record.sent_ahead, "catch_up": record.catch_up, "copied": round_.copied,
-        "ahead": record.drafted_ahead, "reused": record.n_reused,
+        "ahead": record.drafted_ahead, "reused": record.n_reused, "pad": record.pad_tokens,
         "slots": [[r.id_slot, r.prompt_n, r.cached, round(r.server_ms, 2)] for r in round_.results],
     }, separators=(",", ":"))  # fmt: skip

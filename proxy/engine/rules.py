@@ -9,6 +9,7 @@ its own random streams seeded by the request.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -38,10 +39,14 @@ class Rule(Protocol):
     sampled: bool  # the Leviathan/Chen rule (GenerationResult.sampled)
 
     async def verify(
-        self, upstream: UpstreamClient, committed: list[int], draft: list[int]
+        self,
+        upstream: UpstreamClient,
+        committed: list[int],
+        draft: list[int],
+        pad: Sequence[int] = (),
     ) -> list[VerifyResult]:
         """One batch: the target's token after each prefix of the draft (sampling: the
-        server's own draw with a seed of the rule's, and p)."""
+        server's own draw with a seed of the rule's, and p); `pad`'s result last."""
         ...
 
     async def plain_run(self, upstream: UpstreamClient, committed: list[int], n: int) -> PlainRun:
@@ -67,9 +72,13 @@ class GreedyRule:
         self.pieces = pieces
 
     async def verify(
-        self, upstream: UpstreamClient, committed: list[int], draft: list[int]
+        self,
+        upstream: UpstreamClient,
+        committed: list[int],
+        draft: list[int],
+        pad: Sequence[int] = (),
     ) -> list[VerifyResult]:
-        return await upstream.verify(committed, draft)
+        return await upstream.verify(committed, draft, pad=pad)
 
     async def plain_run(self, upstream: UpstreamClient, committed: list[int], n: int) -> PlainRun:
         return await upstream.plain_run(committed, n, None, 0)
@@ -102,9 +111,13 @@ class SamplingRule:
         return int(self._seed_rng.integers(0, _RANDOM_SEED))
 
     async def verify(
-        self, upstream: UpstreamClient, committed: list[int], draft: list[int]
+        self,
+        upstream: UpstreamClient,
+        committed: list[int],
+        draft: list[int],
+        pad: Sequence[int] = (),
     ) -> list[VerifyResult]:
-        return await upstream.verify(committed, draft, self.spec, self._server_seed())
+        return await upstream.verify(committed, draft, self.spec, self._server_seed(), pad)
 
     async def plain_run(self, upstream: UpstreamClient, committed: list[int], n: int) -> PlainRun:
         return await upstream.plain_run(committed, n, self.spec, self._server_seed())

@@ -38,6 +38,9 @@ class EngineSettings:
     # greedy: draft and send the next round's verification before this round's tokens
     # are streamed and recorded (that work then overlaps the server's)
     send_ahead: bool = True
+    # greedy: pad each round of the same length as the last to one batch shape, in a slot
+    # of its own, so the server reuses its compute graph (proxy.engine.round_shape)
+    pad_rounds: bool = False
     check_decodes: bool = False  # count the server's decodes per round; warn when not one
     strict_decodes: bool = False  # ... and fail the generation instead (implies checking)
     # speculate or let the server decode alone, measured (proxy.policies.plain_runs); off
@@ -62,6 +65,7 @@ class EngineSettings:
             early_draft=settings.early_draft,
             runner_up_lines=settings.runner_up_lines,
             send_ahead=settings.send_ahead,
+            pad_rounds=settings.pad_rounds,
             check_decodes=settings.check_decodes,
             strict_decodes=settings.strict_decodes,
             plain_runs=settings.plain_runs,

@@ -260,6 +260,8 @@ class SlotCopies:
         # erasing the slots `stale` named, in the background: a copy into one of them
         # waits for it
         self.erasing: asyncio.Task[None] | None = None
+        # slots no copy may go to: the one the rounds' pad prompt uses (`reserve`)
+        self.reserved: set[int] = set()
 
     def first_round(self, one_slot: bool) -> FirstRound:
         """The plan of a first round that has a drafter: one slot is prefilled (and
@@ -408,12 +410,13 @@ class SlotCopies:
         ):  # fmt: skip
             return []
         await self._erased()
+        keep = set(keep) | self.reserved
         reuse = self.saved_at is not None and replicator.reuse_pays(
             n_context - self.saved_at, copies, n_context
         )
         held = self.saved_at if reuse and self.saved_at is not None else n_context
         copied = await replicator.replicate(
-            id_slot, copies, self.slot_file, keep=set(keep), save=not reuse
+            id_slot, copies, self.slot_file, keep=keep, save=not reuse
         )
         if copied and not reuse:
             self.saved_at = n_context
@@ -475,6 +478,20 @@ class SlotCopies:
                 await self.replicator.upstream.slot_action(id_slot, "erase", "")
         except (UpstreamClientError, UpstreamError) as exc:
             log.info("emptying a slot left behind failed (%s)", exc)
+
+    def reserve(self, id_slot: int) -> None:
+        """`id_slot` serves the rounds' pad prompt (`proxy.engine.round_shape`): no copy
+        goes there, and where this generation had used it, it holds nothing of its
+        context any more (a batch that needs it again gets another slot, or the pad
+        prompt loses it to a copy and moves on)."""
+        self.reserved = {id_slot}  # one pad slot: the one it used last
+        if id_slot in self.touched:
+            self.touched.discard(id_slot)
+            self.holds.pop(id_slot, None)
+            if self.replicator is not None:
+                self.replicator.in_flight[id_slot] -= 1
+                if self.replicator.in_flight[id_slot] <= 0:
+                    del self.replicator.in_flight[id_slot]
 
     def _touch(self, slots: Iterable[int]) -> None:
         """This generation uses `slots` from now on: no other clears them meanwhile."""

@@ -63,6 +63,14 @@ class Policies:
         """The generation has the server's slots to itself (no other stream)."""
         return self.slots is None or self.slots.alone()
 
+    def spare_slots(self, n_prompts: int) -> bool:
+        """Whether a batch of `n_prompts` prompts finds an idle slot for each: the
+        generation alone on a server of at least that many slots (a prompt without one
+        would wait for the batch to end; no slot share, as in tests: yes)."""
+        if self.slots is None:
+            return True
+        return self.slots.alone() and self.slots.share.total_slots >= n_prompts
+
     def prefers_plain(self) -> bool:
         """Plain runs are the measured choice right now."""
         return self.plain_runs is not None and self.plain_runs.prefers_plain()

@@ -43,12 +43,17 @@ class ContextTextCache:
         return text
 
 
-def verify_body_text(context_text: str, draft: Sequence[int], params: dict[str, Any]) -> str:
-    """`{"prompt": [ctx, ctx+d1, ..., ctx+d1..dk], **params}` as JSON text."""
+def verify_body_text(
+    context_text: str, draft: Sequence[int], params: dict[str, Any], pad: Sequence[int] = ()
+) -> str:
+    """`{"prompt": [ctx, ctx+d1, ..., ctx+d1..dk(, pad)], **params}` as JSON text: `pad`,
+    where given, is one more prompt of its own (`proxy.engine.round_shape`)."""
     prompts = []
     for suffix_ids in (draft[:i] for i in range(len(draft) + 1)):
         suffix = ids_text(suffix_ids)
         joined = f"{context_text},{suffix}" if context_text and suffix else context_text or suffix
         prompts.append(f"[{joined}]")
+    if pad:
+        prompts.append(f"[{ids_text(pad)}]")
     rest = json.dumps(params)
     return '{"prompt":[' + ",".join(prompts) + "]" + ("," + rest[1:] if len(rest) > 2 else "}")

@@ -373,23 +373,25 @@ class UpstreamClient:
         draft: Sequence[int],
         sampling: SamplingSpec | None = None,
         seed: int = 0,
+        pad: Sequence[int] = (),
     ) -> list[VerifyResult]:
         """Score `draft` after `context` in one batched pass: one `/completion` of k+1 prompts.
 
         Returns k+1 results: result i is the target's next token after
         context + draft[:i] (greedy, or with `sampling` its own draw with `seed` plus
         the full post-sampling distribution). No `id_slot`, no `n_cmpl`: each prompt
-        must pick the idle slot sharing its longest prefix.
+        must pick the idle slot sharing its longest prefix. `pad`: one more prompt, last
+        in the batch, whose result comes last (`proxy.engine.round_shape`).
         """
         params = (
             GREEDY_VERIFY_PARAMS if sampling is None else sampling_verify_params(sampling, seed)
         )
-        body = RawJson(verify_body_text(self._contexts.text(list(context)), draft, params))
+        body = RawJson(verify_body_text(self._contexts.text(list(context)), draft, params, pad))
         payload = await self._request_json(
             "POST", "/completion", body, timeout=self.timeouts.verify
         )
         results = payload if isinstance(payload, list) else [payload]
-        n_prompts = len(draft) + 1
+        n_prompts = len(draft) + 1 + (1 if pad else 0)
         if len(results) != n_prompts:
             raise UpstreamError(
                 self.base_url,

@@ -8,7 +8,8 @@ import tomllib
 import pytest
 
 from proxy.bench.regime.__main__ import parser, split_known
-from proxy.bench.regime.build import decode_table, slot_fit, span_slopes
+from proxy.bench.regime.build import decode_table, new_shape_ms, slot_fit, span_slopes
+from proxy.bench.regime.engine import ShapeHistory
 from proxy.bench.regime.http_api import _pick
 from proxy.bench.regime.kv_pool import N_PAD, KvPool, padded_span
 from proxy.bench.regime.prompt_cache import PromptCache, common_prefix
@@ -138,6 +139,28 @@ def test_rows_e_against_d_give_the_span_cost_of_a_rounds_batch() -> None:
     cells = padded_span(7 * (4096 + 11)) - padded_span(4 * (4096 + 11))
     assert span_slopes(result, "v", 4096) == {11: pytest.approx(3.0 / cells)}
     assert span_slopes(result, "v", 512) == {}
+
+
+def test_a_decode_replays_from_the_third_of_one_shape_in_a_row() -> None:
+    """ggml's CUDA graph warm-up: the first decode of a shape runs, the second captures,
+    the third replays; another shape (or another output count) starts over."""
+    shapes = ShapeHistory()
+    a, b = ((17, 5, 3328),), ((16, 4, 3328),)
+    assert [shapes.new(a, 5) for _ in range(4)] == [1, 1, 0, 0]
+    assert [shapes.new(b, 4), shapes.new(a, 5), shapes.new(a, 5), shapes.new(a, 5)] == [1, 1, 1, 0]
+    assert [shapes.new(a, 4), shapes.new(a, 4), shapes.new(a, 4)] == [1, 1, 0]
+
+
+def test_rows_m_against_h_give_the_new_shape_charge() -> None:
+    """Rows h repeat one shape; row m changes it every round: the charge is m's server
+    ms beyond the mean of h's at the same k and context (none without rows m)."""
+    h = [{"part": "h", "variant": "v", "context": 512, "k": 2, "accepted": j,
+          "server_ms_median": ms} for j, ms in enumerate((15.0, 15.5, 16.0))]  # fmt: skip
+    m = {"part": "m", "variant": "v", "context": 512, "k": 2, "server_ms_median": 18.0}
+    assert new_shape_ms({"rows": [*h, m]}, "v") == pytest.approx(2.5)
+    assert new_shape_ms({"rows": h}, "v") is None
+    cheaper = {**m, "server_ms_median": 15.0}
+    assert new_shape_ms({"rows": [*h, cheaper]}, "v") == 0.0
 
 
 def test_the_prompt_cache_saves_a_pushed_out_prompt_and_gives_it_back() -> None:

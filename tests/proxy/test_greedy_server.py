@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from proxy.engine import EngineSettings, GenerationParams, SlotReplicator
@@ -29,31 +31,34 @@ PROMPTS = [
     "The capital of France is",
 ]
 
-# (prompt, new tokens, k, drafter, one-decode check): small enough for two CPU cores,
-# wide enough to cover k = 1..8, lengths 1..512, full acceptance, partial acceptance and
-# none. The check reads the server's decode counter after every round, which rules out
-# sending the next round ahead (`--send-ahead`, the default): the rows without it run
-# the default path.
+# (prompt, new tokens, k, drafter, one-decode check, padded rounds): small enough for
+# two CPU cores, wide enough to cover k = 1..8, lengths 1..512, full acceptance, partial
+# acceptance and none. The check reads the server's decode counter after every round,
+# which rules out sending the next round ahead (`--send-ahead`, the default): the rows
+# without it run the default path. Padded rounds (`--pad-rounds`) add a prompt of their
+# own to the batch, which must stay one decode and change nothing in the output.
 GRID = [
-    (0, 1, 1, "reference", True),
-    (1, 17, 3, "reference", False),
-    (2, 64, 8, "reference", True),
-    (0, 512, 8, "reference", False),
-    (1, 40, 4, "ngram", True),
-    (2, 48, 5, "reference:noisy:0.05", False),
-    (0, 24, 2, "reference:unrelated", True),
-    (1, 40, 4, "onnx", False),
-    (2, 40, 6, "genai", True),
+    (0, 1, 1, "reference", True, False),
+    (1, 17, 3, "reference", False, False),
+    (2, 64, 8, "reference", True, False),
+    (0, 512, 8, "reference", False, False),
+    (1, 40, 4, "ngram", True, False),
+    (2, 48, 5, "reference:noisy:0.05", False, True),
+    (0, 24, 2, "reference:unrelated", True, False),
+    (1, 40, 4, "onnx", False, False),
+    (2, 40, 6, "genai", True, False),
+    (0, 64, 3, "reference:noisy:0.05", True, True),
 ]
 
 # Fields whose values depend on time, cache state or slot choice, not on the output.
 VOLATILE = {"timings", "id_slot", "tokens_cached"}
 
 
-@pytest.mark.parametrize(("prompt_index", "n_predict", "k", "drafter", "checked"), GRID)
+@pytest.mark.parametrize(("prompt_index", "n_predict", "k", "drafter", "checked", "padded"), GRID)
 async def test_native_completion_matches_server(
-    http, ref_server, spec_server, drafter_for, prompt_index, n_predict, k, drafter, checked
-):
+    http, ref_server, spec_server, drafter_for, prompt_index, n_predict, k, drafter, checked,
+    padded,
+):  # fmt: skip
     body = {
         "prompt": PROMPTS[prompt_index],
         "n_predict": n_predict,
@@ -64,7 +69,7 @@ async def test_native_completion_matches_server(
     prompt = await tokenize(http, ref_server, PROMPTS[prompt_index])
     drafts: dict[int, list[int]] = {}
     opener = recording(drafter_for(drafter), drafts)
-    async with run_proxy(spec_server, opener, k, check_decodes=checked) as proxy:
+    async with run_proxy(spec_server, opener, k, check_decodes=checked, pad_rounds=padded) as proxy:
         rounds = record_rounds(proxy.state.metrics)
         status, got, headers = await proxy.post("/completion", body)
         assert status == 200, got
@@ -88,6 +93,15 @@ async def test_native_completion_matches_server(
             assert not any(sent_ahead)
         elif len(verify) > 3:
             assert any(sent_ahead)
+        # a round of as many drafts as the last was padded to one batch size, and only
+        # then (the one-decode check above holds with the pad prompt in the batch)
+        pads = [r.pad_tokens for r in verify]
+        if not padded:
+            assert not any(pads)
+        elif len(verify) > 6:
+            assert any(pads)
+        for last, record in itertools.pairwise(verify):
+            assert not record.pad_tokens or record.n_drafted == last.n_drafted
         # the drafter served the whole request (a failure would fall back to plain
         # decoding: lossless, so only this catches it)
         assert metrics.drafter_failures == 0 and proxy.state.drafters.failures == 0

@@ -744,9 +744,9 @@ async def test_round_timeline_adds_up_and_sees_the_drafter_work_during_verificat
     from tests.proxy.test_units import FakeUpstream
 
     class SlowUpstream(FakeUpstream):
-        async def verify(self, context, draft):
+        async def verify(self, context, draft, pad=()):
             await asyncio.sleep(0.03)
-            return await super().verify(context, draft)
+            return await super().verify(context, draft, pad)
 
     class SlowSession(ScriptSession):
         def propose(self, k, sampling=GREEDY, rng=None, cancel=None) -> Draft:

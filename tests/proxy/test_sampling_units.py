@@ -153,8 +153,8 @@ class FakeSamplingUpstream:
     def __init__(self) -> None:
         self.bodies: list[tuple[int, list[int], int]] = []
 
-    async def verify(self, context, draft, sampling=None, seed=0):
-        assert sampling is not None
+    async def verify(self, context, draft, sampling=None, seed=0, pad=()):
+        assert sampling is not None and not pad
         self.bodies.append((len(context), list(draft), seed))
         # the server's own draw is always 20 here; the engine draws its own tokens
         return [

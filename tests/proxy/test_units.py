@@ -127,7 +127,7 @@ class FakeUpstream:
     def _next(self, sequence: list[int], n_prompt: int) -> int:
         return self.script[len(sequence) - n_prompt]
 
-    async def verify(self, context, draft):
+    async def verify(self, context, draft, pad=()):
         self.calls.append((len(context), list(draft)))
         self.decodes += 1
         n_prompt = 2
@@ -136,6 +136,8 @@ class FakeUpstream:
         for prompt in prompts:
             token = self._next(prompt, n_prompt)
             results.append(VerifyResult(token, f"<{token}>", token in self.eog, 0, id_slot=0))
+        if pad:
+            results.append(VerifyResult(0, "", False, 0, id_slot=-1, prompt_n=len(pad)))
         return results
 
     async def metrics(self):

@@ -179,6 +179,24 @@ def decode_table(result: dict[str, Any], variant: str) -> tuple[DecodeCost, floa
     return DecodeCost(tuple(tokens), tuple(fixed), tuple(per_kcell)), per_ktoken, prefill
 
 
+def new_shape_ms(result: dict[str, Any], variant: str) -> float | None:
+    """What a decode of another shape than the two before it costs more (`[decode]
+    new_shape_ms`): rows m (the number accepted changing every round, so no two rounds
+    in a row share a shape) against the mean of rows h at the same k and context (one
+    shape repeated: the compute graph reused and, on CUDA, replayed). Median over the
+    pairs; None without rows m."""
+    h_rows: dict[tuple[int, int], list[float]] = {}
+    for row in _rows(result, "h", variant):
+        if row["server_ms_median"] is not None:
+            h_rows.setdefault((row["context"], row["k"]), []).append(row["server_ms_median"])
+    diffs = [
+        row["server_ms_median"] - statistics.fmean(h_rows[(row["context"], row["k"])])
+        for row in _rows(result, "m", variant)
+        if row["server_ms_median"] is not None and (row["context"], row["k"]) in h_rows
+    ]
+    return round(max(0.0, statistics.median(diffs)), 3) if diffs else None
+
+
 def stale_cells(row: dict[str, Any]) -> int:
     """Cells the other slots hold in a row g (each a stale context of the row's length)."""
     return (int(row["np"]) - 1) * int(row["context"])
@@ -333,6 +351,16 @@ def _toml_list(values: Sequence[float]) -> str:
     return "[" + ", ".join(f"{v:g}" for v in values) + "]"
 
 
+def _new_shape_line(result: dict[str, Any], variant: str) -> str:
+    charge = new_shape_ms(result, variant)
+    if charge is None:
+        return "# new_shape_ms: not measured (verify-cost part m), so not charged\n"
+    return (
+        "# new_shape_ms: rows m (the accepted count changing every round) against the mean "
+        f"of rows h at the same k\nnew_shape_ms = {charge:g}\n"
+    )
+
+
 def render(
     result: dict[str, Any], source: Path, name: str, description: str, variant: str
 ) -> tuple[str, list[str]]:
@@ -360,7 +388,7 @@ ubatch = 512
 tokens = {_toml_list(decode.tokens)}
 fixed_ms = {_toml_list(decode.fixed_ms)}
 per_kcell_ms = {_toml_list(decode.per_kcell_ms)}
-
+{_new_shape_line(result, variant)}
 [host]
 source = "{where}: {HOST_SOURCE}"
 per_request_ms = {host.per_request_ms:g}

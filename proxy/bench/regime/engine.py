@@ -124,6 +124,7 @@ class RegimeEngine:
         self.n_ctx_slot = n_ctx_slot or (n_ctx if unified else max(n_ctx // n_slots, 1))
         self.slots = [Slot(i) for i in range(n_slots)]
         self.pool = KvPool(n_ctx, n_slots, unified)
+        self._shapes = ShapeHistory()  # the regime's new-shape charge (`new_shape_ms`)
         self.queue: deque[Task] = deque()
         self.deferred_tasks: deque[Task] = deque()  # waiting for a slot to be released
         self.counters = Counters()
@@ -348,15 +349,18 @@ class RegimeEngine:
             groups = _chunks(pieces, ubatch)
         else:  # one stream per slot: the batch splits per sequence
             groups = [g for piece in pieces for g in _chunks([piece], ubatch)]
+        shape = []
         for group in groups:
             for slot, first, n in group:
                 self.pool.add(slot.id, first, n)
             n_tokens = sum(n for _, _, n in group)
             n_kv = max(self.pool.n_kv(slot.id) for slot, _, _ in group)
             total_ms += decode.ms(n_tokens, n_kv)
+            shape.append((n_tokens, len(group), n_kv))
         sampling = sum(
             1 for slot, tokens in batch if slot.pending is not None or len(tokens) == len(slot.todo)
         )
+        total_ms += decode.new_shape_ms * self._shapes.new(tuple(shape), sampling)
         total_ms += self.regime.host.per_extra_sample_ms * max(0, sampling - 1)
         total_ms += self._launch_ms
         self._launch_ms = 0.0
@@ -441,6 +445,28 @@ class RegimeEngine:
                 self._release(slot, now)
                 self.erase(slot)
         log.warning("%s", message)
+
+
+class ShapeHistory:
+    """Whether a decode replays: the third decode in a row of one shape (tokens,
+    sequences and span of each micro-batch, and outputs) is the first that ggml's CUDA
+    backend replays as a CUDA graph (the first runs it, the second captures it), and a
+    decode of another shape starts over (b11434, ggml-cuda.cu: the graph warm-up)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, ...] | None = None
+        self._warm = False
+
+    def new(self, shape: tuple[Any, ...], outputs: int) -> int:
+        """1 where this decode does not replay, else 0."""
+        key = (shape, outputs)
+        if key != self._last:
+            self._last, self._warm = key, False
+            return 1
+        if not self._warm:
+            self._warm = True
+            return 1
+        return 0
 
 
 def _chunks(pieces: list[tuple[Any, int, int]], size: int) -> list[list[tuple[Any, int, int]]]:

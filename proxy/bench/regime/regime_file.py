@@ -8,6 +8,11 @@ are listed under `assumptions`. The charges:
   attends over n_kv KV cells costs `fixed_ms(n) + per_kcell_ms(n) * n_kv / 1000`.
   Both are piecewise linear in n between the listed `tokens` (beyond the last
   point: the last segment's slope). n_kv is the unified pool's span (see kv_pool).
+  Optionally `new_shape_ms`: what a decode costs more when its shape (tokens, outputs,
+  span) is not that of the two decodes before it. llama.cpp reuses its compute graph
+  for a decode of the last one's shape, and ggml's CUDA backend replays a CUDA graph
+  only from the third decode of one shape in a row; the rows above are measured on
+  repeated shapes.
 - `[host]`: work outside the decodes. Per HTTP request, per prompt in it and per
   thousand prompt token ids (parsing and checking them), charged before the request's
   tasks reach the slots; per slot beyond the first that samples after one decode.
@@ -43,6 +48,7 @@ class DecodeCost:
     fixed_ms: tuple[float, ...]
     per_kcell_ms: tuple[float, ...]
     ubatch: int = 512
+    new_shape_ms: float = 0.0  # a decode of another shape than the two before it
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -149,6 +155,7 @@ def parse_regime(data: dict[str, Any], path: Path | None = None) -> Regime:
             fixed_ms=_floats(decode, "fixed_ms"),
             per_kcell_ms=_floats(decode, "per_kcell_ms"),
             ubatch=int(decode.get("ubatch", 512)),
+            new_shape_ms=float(decode.get("new_shape_ms", 0.0)),
         ),
         host=HostCost(**{k: float(v) for k, v in host.items() if k != "source"}),
         slots=SlotCost(**{k: float(v) for k, v in slots.items() if k != "source"}),
