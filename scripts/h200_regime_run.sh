@@ -56,10 +56,12 @@
 #           0-3 and after it on 4-7 (the single turns also with --send-ahead off), and the
 #           Strix Halo 32B 3-turn chats after it on 8-15
 #   s23     start; verify-cost parts a, h, m at 512 (k = 3, 4) with llama.cpp's graph
-#           reuse on and off (LLAMA_GRAPH_REUSE_DISABLE); always speculating on gen-lru at
+#           reuse on and off (LLAMA_GRAPH_REUSE_DISABLE), and without CUDA graphs
+#           (GGML_CUDA_DISABLE_GRAPHS); always speculating on gen-lru at
 #           512 with every round logged (defaults, --pad-rounds on, --send-ahead off, fixed
 #           k = 3 with and without padding), the defaults and padding again with graph
-#           reuse off, and the 3-turn chats with and without padding
+#           reuse off, and the 3-turn chats with and without padding; beside them on
+#           cores 8-15 the Strix Halo 14B 3-turn chats with this code
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -498,12 +500,20 @@ case "$STAGE" in
     ;;
   s23)  # session 25's chain (see the list above)
     bash scripts/h200_regime_run.sh start
+    # whether this machine's onnxruntime could run a real drafter on CUDA (issue 29, item 4)
+    python3 -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())" \
+      || echo "no onnxruntime"
+    # beside the GPU cells: the Strix Halo 14B 3-turn chats with this code (cores 8-15)
+    strix14 . 8-15 chat-s23 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
     graph_costs reuse
     LLAMA_GRAPH_REUSE_DISABLE=1 graph_costs noreuse
+    GGML_CUDA_DISABLE_GRAPHS=1 graph_costs nocudagraphs
     spec_gen_lru now 'spec=' 'pad=--pad-rounds on' 'noahead=--send-ahead off' \
       'k3=-k 3 --fixed-k' 'k3pad=-k 3 --fixed-k --pad-rounds on'
     LLAMA_GRAPH_REUSE_DISABLE=1 spec_gen_lru noreuse 'spec=' 'pad=--pad-rounds on'
     spec_chats 'spec=' 'pad=--pad-rounds on'
+    wait
+    grep -v "INFO proxy" /tmp/emu-a.log
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources
