@@ -512,6 +512,7 @@ case "$STAGE" in
       'k3=-k 3 --fixed-k' 'k3pad=-k 3 --fixed-k --pad-rounds on'
     LLAMA_GRAPH_REUSE_DISABLE=1 spec_gen_lru noreuse 'spec=' 'pad=--pad-rounds on'
     spec_chats 'spec=' 'pad=--pad-rounds on'
+    python3 scripts/round_log_summary.py "$OUT"/rounds-*.log || true
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
     ;;
