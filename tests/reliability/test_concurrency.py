@@ -13,7 +13,7 @@ import pytest
 from proxy.bench.client import stream_events
 from proxy.bench.neartie import NEAR_TIE_LOGIT_GAP, top2_gap
 from proxy.slot_share import SlotShare
-from tests.proxy.helpers import assert_greedy_equal, post_json, tokenize
+from tests.proxy.helpers import assert_greedy_equal, post_json, record_rounds, tokenize
 from tests.reliability.tools import DrafterCounter, proxy_for, record, wait_until
 
 pytestmark = pytest.mark.server
@@ -118,13 +118,19 @@ async def test_concurrent_streams_are_correct_and_none_waits_for_another(
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("pad", [False, True])
 async def test_speculation_yields_to_a_newcomer_and_resumes(
-    request, ref_server, spec_server, reference_drafter
+    request, pad, ref_server, spec_server, reference_drafter
 ):
+    """`pad`: with `--pad-rounds`, whose pad prompt only goes out while the stream is
+    alone on the server."""
     slow = DrafterCounter(reference_drafter, delay_s=0.01)
     long_body = {"prompt": "A long story about mountains", "n_predict": LONG, **GREEDY}
     short_body = {"prompt": "A short note", "n_predict": 128, **GREEDY}
-    async with proxy_for(spec_server, slow, k=2, plain_runs="off", under_load="plain") as proxy:
+    async with proxy_for(
+        spec_server, slow, k=2, plain_runs="off", under_load="plain", pad_rounds=pad
+    ) as proxy:
+        rounds = record_rounds(proxy.state.metrics)
         share = proxy.state.scheduler
         long_task = asyncio.create_task(proxy.post("/completion", long_body))
         # the first stream speculates alone: verify rounds run
@@ -142,6 +148,8 @@ async def test_speculation_yields_to_a_newcomer_and_resumes(
     assert events.index(("yield", a)) < events.index(("released", b))
     assert events.index(("released", b)) < events.index(("resume", a))
     assert events.index(("resume", a)) < events.index(("released", a))
+    verify = [r for r in rounds if not r.plain_run]
+    assert any(r.pad_tokens for r in verify) is pad
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         for body, got in ((long_body, long_answer["tokens"]), (short_body, short["tokens"])):
             prompt = await tokenize(session, ref_server, body["prompt"])
