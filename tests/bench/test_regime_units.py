@@ -8,7 +8,13 @@ import tomllib
 import pytest
 
 from proxy.bench.regime.__main__ import parser, split_known
-from proxy.bench.regime.build import decode_table, new_shape_ms, slot_fit, span_slopes
+from proxy.bench.regime.build import (
+    decode_table,
+    joined_rows,
+    new_shape_ms,
+    slot_fit,
+    span_slopes,
+)
 from proxy.bench.regime.engine import ShapeHistory
 from proxy.bench.regime.http_api import _pick
 from proxy.bench.regime.kv_pool import N_PAD, KvPool, padded_span
@@ -161,6 +167,15 @@ def test_rows_m_against_h_give_the_new_shape_charge() -> None:
     assert new_shape_ms({"rows": h}, "v") is None
     cheaper = {**m, "server_ms_median": 15.0}
     assert new_shape_ms({"rows": [*h, cheaper]}, "v") == 0.0
+
+
+def test_a_later_file_adds_parts_and_replaces_none() -> None:
+    first = [{"part": "a", "context": 512, "ms_median": 9.2}, {"part": "f", "context": 512}]
+    later = [{"part": "a", "context": 512, "ms_median": 9.9}, {"part": "h", "k": 4},
+             {"part": "m", "k": 4}]  # fmt: skip
+    rows = joined_rows(first, later, {r["part"] for r in first})
+    assert [r["part"] for r in rows] == ["a", "f", "h", "m"]
+    assert rows[0]["ms_median"] == 9.2
 
 
 def test_the_prompt_cache_saves_a_pushed_out_prompt_and_gives_it_back() -> None:

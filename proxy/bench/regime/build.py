@@ -414,12 +414,21 @@ restore_ms_per_ktoken = {slots["restore_ms_per_ktoken"]:g}
     return text, check_rows(result, variant, decode, host)
 
 
+def joined_rows(
+    rows: list[dict[str, Any]], extra: list[dict[str, Any]], parts: set[str]
+) -> list[dict[str, Any]]:
+    """`rows` and those of `extra` whose part is not in `parts` (the first file's): a
+    later file adds parts (i; h and m for the new-shape charge) and never replaces a
+    row the file's other charges come from, such as plain decoding's rows a."""
+    return [*rows, *(r for r in extra if r["part"] not in parts)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="regime-build", description=__doc__)
     parser.add_argument(
         "verify_cost", type=Path, nargs="+",
-        help="verify-cost results; rows of later files join the first's (e.g. part i, "
-        "measured later on the same machine)",
+        help="verify-cost results; rows of later files join the first's for the parts it "
+        "lacks (e.g. part i, or parts h and m, measured later on the same machine)",
     )  # fmt: skip
     parser.add_argument("--name", required=True)
     parser.add_argument("--description", default="")
@@ -428,9 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     first, *more = args.verify_cost
     result = json.loads(first.read_text())
+    parts = {r["part"] for r in result["rows"]}
     for path in more:
         extra = json.loads(path.read_text())
-        result["rows"] = [*result["rows"], *extra["rows"]]
+        result["rows"] = joined_rows(result["rows"], extra["rows"], parts)
         result["started_utc"] = (
             f"{result.get('started_utc', '?')}; {path.name}: {extra.get('started_utc', '?')}"
         )
