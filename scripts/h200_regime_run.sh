@@ -60,8 +60,9 @@
 #           (GGML_CUDA_DISABLE_GRAPHS); always speculating on gen-lru at
 #           512 with every round logged (defaults, --pad-rounds on, --send-ahead off, fixed
 #           k = 3 with and without padding), the defaults and padding again with graph
-#           reuse off, and the 3-turn chats with and without padding; beside them on
-#           cores 8-15 the Strix Halo 14B 3-turn chats with this code
+#           reuse off, the 3-turn chats with and without padding, and the 512 single
+#           turns with the defaults over all 8 prompts; beside them on cores 8-15 the
+#           Strix Halo 14B 3-turn chats with this code
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -513,6 +514,7 @@ case "$STAGE" in
     LLAMA_GRAPH_REUSE_DISABLE=1 spec_gen_lru noreuse 'spec=' 'pad=--pad-rounds on'
     spec_chats 'spec=' 'pad=--pad-rounds on'
     python3 scripts/round_log_summary.py "$OUT"/rounds-*.log || true
+    single8_defaults 512  # the defaults target, with sending ahead (last: least needed)
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
     ;;
