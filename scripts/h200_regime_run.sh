@@ -63,6 +63,11 @@
 #           reuse off, the 3-turn chats with and without padding, and the 512 single
 #           turns with the defaults over all 8 prompts; beside them on cores 8-15 the
 #           Strix Halo 14B 3-turn chats with this code
+#   s26     s23 cut to the 16 minutes of device time left to session 26: start; always
+#           speculating on gen-lru at 512 with every round logged (defaults and fixed
+#           k = 3, each with and without --pad-rounds); verify-cost parts a, h, m at 512
+#           with graph reuse on, then off; the 3-turn chats with and without padding;
+#           beside them on cores 8-15 the Strix Halo 14B 3-turn chats with this code
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -515,6 +520,19 @@ case "$STAGE" in
     spec_chats 'spec=' 'pad=--pad-rounds on'
     python3 scripts/round_log_summary.py "$OUT"/rounds-*.log || true
     single8_defaults 512  # the defaults target, with sending ahead (last: least needed)
+    wait
+    grep -v "INFO proxy" /tmp/emu-a.log
+    ;;
+  s26)  # session 26's chain (see the list above): the padding A/B first, as it decides
+         # whether --pad-rounds stays
+    bash scripts/h200_regime_run.sh start
+    strix14 . 8-15 chat-s26 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
+    spec_gen_lru now 'spec=' 'pad=--pad-rounds on' 'k3=-k 3 --fixed-k' \
+      'k3pad=-k 3 --fixed-k --pad-rounds on'
+    python3 scripts/round_log_summary.py "$OUT"/rounds-*.log || true
+    graph_costs reuse
+    LLAMA_GRAPH_REUSE_DISABLE=1 graph_costs noreuse
+    spec_chats 'spec=' 'pad=--pad-rounds on'
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
     ;;
