@@ -67,7 +67,8 @@
 #           speculating on gen-lru at 512 with every round logged (defaults and fixed
 #           k = 3, each with and without --pad-rounds); verify-cost parts a, h, m at 512
 #           with graph reuse on, then off; the 3-turn chats with and without padding;
-#           beside them on cores 8-15 the Strix Halo 14B 3-turn chats with this code
+#           beside them on cores 8-15 the Strix Halo 14B 3-turn chats with this code; last,
+#           the 512 single turns over all 8 prompts with the defaults, with and without padding
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -120,13 +121,13 @@ use_vulkan() {  # after vulkan-build: its run-time exports, and $vk, the binary
   vk="$(cat /tmp/vk.bin)"
 }
 
-single8_defaults() {  # CTX: the real CUDA single turns with the defaults over all 8
-  # prompts, every run checked exactly (cores 0-7)
+single8_defaults() {  # CTX [BENCH OPTIONS...]: the real CUDA single turns with the
+  # defaults over all 8 prompts, every run checked exactly (cores 0-7)
   taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
     --server-args='-ngl 99 -fa on' --context "$1" -n 128 \
     --prompt-ids edit-rename,edit-bugfix,gen-lru,gen-cli,sum-incident,sum-paper,chat-travel,chat-explain \
     --modes plain,oracle -k 6 --repeats 1 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
-    --oracle-delay-steps 0.12 --proxy-variant 'defaults=' --exact-check all \
+    --oracle-delay-steps 0.12 --proxy-variant 'defaults=' "${@:2}" --exact-check all \
     --work-dir "/tmp/single-$1" -o "$OUT/h200-single8-$1.json" | tail -25 \
     || echo "single $1 FAILED"
 }
@@ -533,6 +534,7 @@ case "$STAGE" in
     graph_costs reuse
     LLAMA_GRAPH_REUSE_DISABLE=1 graph_costs noreuse
     spec_chats 'spec=' 'pad=--pad-rounds on'
+    single8_defaults 512 --proxy-variant 'defpad=--pad-rounds on'
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
     ;;
