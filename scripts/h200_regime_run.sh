@@ -69,6 +69,8 @@
 #           with graph reuse on, then off; the 3-turn chats with and without padding;
 #           beside them on cores 8-15 the Strix Halo 14B 3-turn chats with this code; last,
 #           the 512 single turns over all 8 prompts with the defaults, with and without padding
+#   s26q    s26 cut to one call: start; the padding A/B with the defaults (always speculating,
+#           gen-lru at 512, rounds logged); verify-cost parts a, h, m at 512 (graph reuse on)
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -537,6 +539,12 @@ case "$STAGE" in
     single8_defaults 512 --proxy-variant 'defpad=--pad-rounds on'
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
+    ;;
+  s26q)  # the least of s26 that decides --pad-rounds (see the list above)
+    bash scripts/h200_regime_run.sh start
+    spec_gen_lru now 'spec=' 'pad=--pad-rounds on'
+    python3 scripts/round_log_summary.py "$OUT"/rounds-*.log || true
+    graph_costs reuse
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources
