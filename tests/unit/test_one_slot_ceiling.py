@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from proxy.bench.regime.regime_file import load_regime
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "one_slot_ceiling.py"
+from tests.support.scripts import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("one_slot_ceiling", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("one_slot_ceiling")
 
 
 def test_a_round_is_one_request_and_one_decode_of_k_plus_one_tokens():

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "round_log_summary.py"
+from tests.support.scripts import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("round_log_summary", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("round_log_summary")
 
 
 def _line(i: int, k: int, slots: list[int], pad: int, server_ms: float, **flags) -> str:
