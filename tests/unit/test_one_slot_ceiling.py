@@ -8,12 +8,8 @@ from proxy.bench.regime.regime_file import load_regime
 from tests.support.scripts import load_script
 
 
-def _module():
-    return load_script("one_slot_ceiling")
-
-
 def test_a_round_is_one_request_and_one_decode_of_k_plus_one_tokens():
-    script = _module()
+    script = load_script("one_slot_ceiling")
     regime = load_regime("strix-halo-vulkan-32b")
     # 8 tokens: the last batch on Vulkan's matrix-vector path (fixed 124.89 ms in the file)
     expected = regime.host.request_ms(1, 519) + 124.89 + 1.28 * 519 / 1000
@@ -21,7 +17,7 @@ def test_a_round_is_one_request_and_one_decode_of_k_plus_one_tokens():
 
 
 def test_the_vulkan_ceiling_stops_at_the_matrix_vector_edge(capsys):
-    script = _module()
+    script = load_script("one_slot_ceiling")
     assert script.main(["strix-halo-vulkan-32b", "--acceptance", "0.8", "--draft-ms", "11"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if "vulkan-32b" in line)
     cells = [cell.strip() for cell in row.strip("|").split("|")]

@@ -7,10 +7,6 @@ import json
 from tests.support.scripts import load_script
 
 
-def _module():
-    return load_script("round_log_summary")
-
-
 def _line(i: int, k: int, slots: list[int], pad: int, server_ms: float, **flags) -> str:
     record = {"i": i, "n_drafted": k, "server_ms": server_ms, "verify_ms": server_ms + 3,
               "catch_up": False, "copied": False, "pad": pad,
@@ -20,7 +16,7 @@ def _line(i: int, k: int, slots: list[int], pad: int, server_ms: float, **flags)
 
 
 def test_steady_rounds_are_grouped_by_drafts_and_padding_with_their_batch_sizes():
-    summary = _module()
+    summary = load_script("round_log_summary")
     lines = [
         _line(0, 0, [513], 0, 40.0),  # the first round: not steady
         _line(1, 2, [1, 2, 3], 0, 15.0, catch_up=True),  # caught up: not steady
