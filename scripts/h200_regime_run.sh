@@ -71,6 +71,8 @@
 #           the 512 single turns over all 8 prompts with the defaults, with and without padding
 #   s26q    s26 cut to one call: start; the padding A/B with the defaults (always speculating,
 #           gen-lru at 512, rounds logged); verify-cost parts a, h, m at 512 (graph reuse on)
+#   s28     after s26q, on its warm machine: the 3-turn chats and the 512 single turns over
+#           all 8 prompts, each with and without --pad-rounds
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -545,6 +547,10 @@ case "$STAGE" in
     spec_gen_lru now 'spec=' 'pad=--pad-rounds on'
     python3 scripts/round_log_summary.py "$OUT"/rounds-*.log || true
     graph_costs reuse
+    ;;
+  s28)  # after s26q on the same warm machine (no build): the rest of s26's padding A/B
+    spec_chats 'spec=' 'pad=--pad-rounds on'
+    single8_defaults 512 --proxy-variant 'defpad=--pad-rounds on'
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources
