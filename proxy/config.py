@@ -16,6 +16,9 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# the words a switch setting takes, and the modes they mean for a measured one
+_SWITCH_WORDS = {"true": "on", "1": "on", "yes": "on", "false": "off", "0": "off", "no": "off"}
+
 
 class ProxySettings(BaseSettings):
     # hide_input_in_errors: a rejected value may be a key or a URL with a password
@@ -61,11 +64,12 @@ class ProxySettings(BaseSettings):
         description="draft and send the next round's verification as soon as a verify result "
         "is back, before the proxy streams and records the round's tokens",
     )
-    pad_rounds: bool = Field(
-        False,
+    pad_rounds: Literal["auto", "on", "off"] = Field(
+        "auto",
         description="pad every verify round of the same length as the last to one batch "
         "shape with one more prompt in a spare slot, so that llama-server reuses its compute "
-        "graph and its CUDA backend replays it (greedy, one generation on the server)",
+        "graph and its CUDA backend replays it (greedy, one generation on the server): auto "
+        "(measured against unpadded rounds, kept where it pays), on, off",
     )
     slot_file_reuse: bool = Field(
         True,
@@ -136,6 +140,17 @@ class ProxySettings(BaseSettings):
     draft_timeout_s: float = Field(30.0, gt=0, description="a drafter slower than this failed")
     restart_server: bool = Field(True, description="managed: restart a llama-server that died")
     max_restarts: int = Field(5, ge=0, description="managed: restarts allowed per 10 minutes")
+
+    @field_validator("pad_rounds", mode="before")
+    @classmethod
+    def _pad_switch(cls, value: object) -> object:
+        """`pad_rounds` was a switch before it was measured: true and false still mean on
+        and off (a config file's `pad_rounds = true`)."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, str) and value.lower() in _SWITCH_WORDS:
+            return _SWITCH_WORDS[value.lower()]
+        return value
 
     @field_validator("upstream")
     @classmethod

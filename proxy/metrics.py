@@ -255,11 +255,12 @@ HISTOGRAMS = (
 
 
 def policy_page(policies: SharedPolicies) -> str:
-    """What the draft-length, overlap and plain-run policies measured and chose (gauges;
+    """What the draft-length, overlap, padding and plain-run policies measured and chose (gauges;
     a value not measured yet is left out)."""
     lengths = policies.draft_length.snapshot()
     overlap = policies.overlap.snapshot()
     runs = policies.plain_runs.snapshot()
+    padding = policies.padding.snapshot()
     rows = [
         ("npu_spec_drafting_ahead", "1 while drafts are made during verification",
          1.0 if overlap["chosen"] else 0.0),
@@ -267,6 +268,10 @@ def policy_page(policies: SharedPolicies) -> str:
          overlap["saving_ms"]),
         ("npu_spec_drafting_ahead_penalty_ms", "Verify time drafting ahead added",
          overlap["penalty_ms"]),
+        ("npu_spec_padded_rounds", "1 while verify rounds are padded to one batch shape",
+         1.0 if padding["chosen"] else 0.0),
+        ("npu_spec_padded_rounds_saving_ms", "Verify time a padded round saves (measured)",
+         padding["saving_ms"]),
         ("npu_spec_draft_calibration", "Accepted drafts over the draft's own expectation",
          lengths["calibration"] if lengths["rounds"] else None),
         ("npu_spec_verify_ms_per_draft", "Verify time each extra draft adds (fitted)",

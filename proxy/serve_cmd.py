@@ -150,11 +150,12 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (
         ("--pad-rounds",),
         {
-            "choices": ["on", "off"],
+            "choices": ["auto", "on", "off"],
             "dest": "pad_rounds",
-            "help": "on: pad every verify round of the same length as the last to one batch "
+            "help": "pad every verify round of the same length as the last to one batch "
             "shape, with one more prompt in a spare slot, so that llama-server reuses its "
-            "compute graph (CUDA graphs replay it); off: no padding (default: %(default)s)",
+            "compute graph (CUDA graphs replay it): auto (measured against unpadded rounds, "
+            "kept where it pays), on, off (default: %(default)s)",
         },
     ),
     (

@@ -73,6 +73,9 @@
 #           gen-lru at 512, rounds logged); verify-cost parts a, h, m at 512 (graph reuse on)
 #   s28     after s26q, on its warm machine: the 3-turn chats and the 512 single turns over
 #           all 8 prompts, each with and without --pad-rounds
+#   s28b    start; --pad-rounds auto against off (always speculating, gen-lru and
+#           chat-travel at 512, 2 repeats, rounds logged); the 512 single turns over all 8
+#           prompts with the defaults
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -152,6 +155,22 @@ spec_gen_lru() {  # NAME VARIANTS...: always speculating (each --proxy-variant g
   taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
     --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru \
     --modes plain,oracle -k 6 --repeats 3 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
+    --oracle-delay-steps 0.12 "${variants[@]}" --exact-check all \
+    --work-dir "/tmp/spec-$name" -o "$OUT/h200-spec-$name.json" | tail -25 \
+    || echo "spec $name FAILED"
+  for log in "/tmp/spec-$name"/logs/*.proxy.log; do
+    grep -h 'rounds.log' "$log" > "$OUT/rounds-$name-$(basename "$log" .proxy.log).log" || true
+  done
+}
+spec_ab() {  # NAME VARIANTS...: always speculating (each --proxy-variant gets --plain-runs
+  # off --log-rounds), gen-lru and chat-travel at 512, 2 repeats, checked exactly (cores
+  # 0-7); each round's line from the proxies' logs to $OUT
+  local name="$1"; shift
+  local variants=()
+  for v in "$@"; do variants+=(--proxy-variant "${v%%=*}=--plain-runs off --log-rounds ${v#*=}"); done
+  taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
+    --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru,chat-travel \
+    --modes plain,oracle -k 6 --repeats 2 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
     --oracle-delay-steps 0.12 "${variants[@]}" --exact-check all \
     --work-dir "/tmp/spec-$name" -o "$OUT/h200-spec-$name.json" | tail -25 \
     || echo "spec $name FAILED"
@@ -551,6 +570,13 @@ case "$STAGE" in
   s28)  # after s26q on the same warm machine (no build): the rest of s26's padding A/B
     spec_chats 'spec=' 'pad=--pad-rounds on'
     single8_defaults 512 --proxy-variant 'defpad=--pad-rounds on'
+    ;;
+  s28b)  # --pad-rounds auto (the new default) checked: start; always speculating on
+         # gen-lru and chat-travel, auto against off; the 512 single turns, defaults
+    bash scripts/h200_regime_run.sh start
+    spec_ab auto 'auto=' 'off=--pad-rounds off'
+    python3 scripts/round_log_summary.py "$OUT"/rounds-auto-*.log || true
+    single8_defaults 512
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources

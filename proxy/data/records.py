@@ -71,6 +71,8 @@ class RoundRecord:
     sent_ahead: bool = False
     # tokens its pad prompt made the server ingest (`--pad-rounds`; 0: not padded)
     pad_tokens: int = 0
+    # a round the engine could pad (`--pad-rounds`): whether it was; None: it could not
+    padded: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,7 @@ class Generation:
         return Rounds(
             self.upstream, self.prompt, self.pieces, settings.k, rule, proposer, policies, slots,
             decodes, self.observer, self.background, settings.send_ahead,
-            settings.pad_rounds and not sampled,
+            policies.padding.enabled() and not sampled,
         )  # fmt: skip
 
     def _finish(self, loop: LoopState, rounds: Rounds) -> None:

@@ -51,6 +51,7 @@ class _Round:
     # one more prompt that pads the batch to the length's one shape, and its result
     pad: list[int] = field(default_factory=list)
     pad_result: VerifyResult | None = None
+    pad_chosen: bool | None = None  # padded or not by choice; None: it could not be
     acceptance: Acceptance = field(default_factory=lambda: Acceptance(0, [], 0))
     n_committed: int = 0
     copied: bool = False  # slots were copied for it (its times are no steady round's)
@@ -88,7 +89,7 @@ class Rounds:
         observer: RoundObserver | None,
         background: BackgroundTasks,
         send_ahead: bool = True,
-        pad_rounds: bool = False,
+        pad_rounds: bool = False,  # may pad: the padding policy chooses round by round
     ) -> None:
         self.upstream = upstream
         self.prompt = prompt
@@ -352,14 +353,16 @@ class Rounds:
     def _pad(self, round_: _Round, n_drafted: int) -> list[int]:
         """The pad prompt of a round of `n_drafted` drafts after one of as many (none
         where slots were copied for it, which changes what its prompts ingest, or where
-        the server has no slot to spare for it)."""
+        the server has no slot to spare for it; and none where the padding policy
+        chooses none)."""
         last = self._last_drafts
         if (
             self.shape is None or not n_drafted or round_.copied or last is None
             or last[0] != n_drafted or not self.policies.spare_slots(n_drafted + 2)
         ):  # fmt: skip
             return []
-        return self.shape.pad(n_drafted, last[1])
+        round_.pad_chosen = self.policies.padding.decide()
+        return self.shape.pad(n_drafted, last[1]) if round_.pad_chosen else []
 
     def _pad_slot(self, id_slot: int) -> None:
         """The pad prompt took `id_slot`: no slot copy goes there from now on (a slot
@@ -458,6 +461,7 @@ class Rounds:
             next_draft_ms=after.draft_ms if after is not None else 0.0,
             sent_ahead=round_.verify_task is not None,
             pad_tokens=round_.pad_result.prompt_n if round_.pad_result is not None else 0,
+            padded=round_.pad_chosen,
         )
         loop.last_back = round_.verify_back
         if round_log.isEnabledFor(logging.DEBUG):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from proxy.data.sampling import SamplingSpec
-from proxy.policies import LengthRule, OverlapMode, RunMode, SharedPolicies
+from proxy.policies import LengthRule, OverlapMode, PadMode, RunMode, SharedPolicies
 
 if TYPE_CHECKING:
     from proxy.config import ProxySettings
@@ -39,8 +39,9 @@ class EngineSettings:
     # are streamed and recorded (that work then overlaps the server's)
     send_ahead: bool = True
     # greedy: pad each round of the same length as the last to one batch shape, in a slot
-    # of its own, so the server reuses its compute graph (proxy.engine.round_shape)
-    pad_rounds: bool = False
+    # of its own, so the server reuses its compute graph (proxy.engine.round_shape);
+    # measured (proxy.policies.padding): off unless a proxy's settings say so
+    pad_rounds: PadMode = "off"
     check_decodes: bool = False  # count the server's decodes per round; warn when not one
     strict_decodes: bool = False  # ... and fail the generation instead (implies checking)
     # speculate or let the server decode alone, measured (proxy.policies.plain_runs); off
@@ -51,7 +52,12 @@ class EngineSettings:
         """Fresh policies for these settings: a proxy builds its shared ones once, a
         generation given none builds its own."""
         return SharedPolicies.build(
-            self.k, self.adaptive, self.draft_length, self.overlap, self.plain_runs
+            self.k,
+            self.adaptive,
+            self.draft_length,
+            self.overlap,
+            self.plain_runs,
+            self.pad_rounds,
         )
 
     @classmethod

@@ -9,11 +9,12 @@ requests of one kind): `SharedPolicies.build` makes them from the settings, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from proxy.policies.draft_length import DraftLengthPolicy, LengthRule
 from proxy.policies.overlap import OverlapMode, OverlapPolicy
+from proxy.policies.padding import PaddingPolicy, PadMode
 from proxy.policies.plain_runs import PlainRunGate, RunMode
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class Policies:
     overlap: OverlapPolicy
     plain_runs: PlainRunGate | None = None  # None: always speculate
     slots: SlotGrant | None = None  # None: the generation has the server to itself
+    padding: PaddingPolicy = field(default_factory=lambda: PaddingPolicy("off"))
 
     def plain_run_tokens(self) -> int:
         """Tokens the server should decode alone next; 0: a speculative round. Where
@@ -126,6 +128,7 @@ class Policies:
             # the ceiling only matters while speculation is the choice
             ceiling = None if gate.plain_chosen else self.draft_length.ceiling_ms_per_token()
             gate.observe(record, exploring=exploring, ceiling_ms=ceiling)
+        self.padding.observe(record)
 
     def observe_generation(self, n_tokens: int) -> None:
         """A generation ended after writing `n_tokens` (the gate spreads a cold
@@ -152,6 +155,7 @@ class SharedPolicies:
     # sends its distribution back), so the two are measured apart
     plain_runs: PlainRunGate
     sampled_plain_runs: PlainRunGate
+    padding: PaddingPolicy
 
     @classmethod
     def build(
@@ -161,6 +165,7 @@ class SharedPolicies:
         draft_length: LengthRule = "formula",
         overlap: OverlapMode = "auto",
         plain_runs: RunMode = "off",
+        pad_rounds: PadMode = "off",
     ) -> SharedPolicies:
         """Policies that nothing was measured for yet. Only the greedy gate checks
         drafts beside plain runs: a sampled run's tokens are draws, not what a round
@@ -171,6 +176,7 @@ class SharedPolicies:
             OverlapPolicy(overlap),
             PlainRunGate(plain_runs, model=lengths),
             PlainRunGate(plain_runs, name="unseeded sampling"),
+            PaddingPolicy(pad_rounds),
         )
 
     def gate_for(self, sampling: SamplingSpec | None) -> PlainRunGate | None:
@@ -186,7 +192,9 @@ class SharedPolicies:
     ) -> Policies:
         """What a generation of this kind (greedy, or `sampling`) asks; `slots`: its
         share of the server's slots (None: the server to itself)."""
-        return Policies(self.draft_length, self.overlap, self.gate_for(sampling), slots)
+        return Policies(
+            self.draft_length, self.overlap, self.gate_for(sampling), slots, self.padding
+        )
 
 
 __all__ = [
@@ -194,6 +202,8 @@ __all__ = [
     "LengthRule",
     "OverlapMode",
     "OverlapPolicy",
+    "PadMode",
+    "PaddingPolicy",
     "PlainRunGate",
     "Policies",
     "RunMode",

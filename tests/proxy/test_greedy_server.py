@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from proxy.engine import EngineSettings, GenerationParams, SlotReplicator
+from proxy.policies.padding import BLOCK_ROUNDS as PAD_BLOCK
 from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import CTX, run_proxy
 from tests.proxy.helpers import (
@@ -35,19 +36,20 @@ PROMPTS = [
 # two CPU cores, wide enough to cover k = 1..8, lengths 1..512, full acceptance, partial
 # acceptance and none. The check reads the server's decode counter after every round,
 # which rules out sending the next round ahead (`--send-ahead`, the default): the rows
-# without it run the default path. Padded rounds (`--pad-rounds`) add a prompt of their
-# own to the batch, which must stay one decode and change nothing in the output.
+# without it run the default path. Padded rounds (`--pad-rounds on`, or `auto`'s blocks
+# of padded rounds while it measures) add a prompt of their own to the batch, which
+# must stay one decode and change nothing in the output.
 GRID = [
-    (0, 1, 1, "reference", True, False),
-    (1, 17, 3, "reference", False, False),
-    (2, 64, 8, "reference", True, False),
-    (0, 512, 8, "reference", False, False),
-    (1, 40, 4, "ngram", True, False),
-    (2, 48, 5, "reference:noisy:0.05", False, True),
-    (0, 24, 2, "reference:unrelated", True, False),
-    (1, 40, 4, "onnx", False, False),
-    (2, 40, 6, "genai", True, False),
-    (0, 64, 3, "reference:noisy:0.05", True, True),
+    (0, 1, 1, "reference", True, "off"),
+    (1, 17, 3, "reference", False, "off"),
+    (2, 64, 8, "reference", True, "off"),
+    (0, 512, 8, "reference", False, "auto"),
+    (1, 40, 4, "ngram", True, "off"),
+    (2, 48, 5, "reference:noisy:0.05", False, "on"),
+    (0, 24, 2, "reference:unrelated", True, "off"),
+    (1, 40, 4, "onnx", False, "off"),
+    (2, 40, 6, "genai", True, "off"),
+    (0, 64, 3, "reference:noisy:0.05", True, "on"),
 ]
 
 # Fields whose values depend on time, cache state or slot choice, not on the output.
@@ -96,10 +98,13 @@ async def test_native_completion_matches_server(
         # a round of as many drafts as the last was padded to one batch size, and only
         # then (the one-decode check above holds with the pad prompt in the batch)
         pads = [r.pad_tokens for r in verify]
-        if not padded:
-            assert not any(pads)
-        elif len(verify) > 6:
-            assert any(pads)
+        could = [r.padded for r in verify if r.padded is not None]
+        if padded == "off":
+            assert not any(pads) and not could
+        elif padded == "on" and len(verify) > 6:
+            assert any(pads) and all(could)
+        elif padded == "auto" and len(could) > 2 * PAD_BLOCK:  # both sides measured
+            assert True in could and False in could
         for last, record in itertools.pairwise(verify):
             assert not record.pad_tokens or record.n_drafted == last.n_drafted
         # the drafter served the whole request (a failure would fall back to plain

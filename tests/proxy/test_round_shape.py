@@ -23,6 +23,7 @@ from proxy.engine.round_shape import (
     round_tokens,
 )
 from proxy.engine.server_text import PieceCache
+from proxy.policies import PadMode
 from tests.proxy.test_units import FakeUpstream, ScriptDrafter
 
 
@@ -70,12 +71,12 @@ def test_a_round_of_k_after_k_ingests_the_formula_and_the_pad_tops_it_up():
     assert first[:PAD_BASE] == second[:PAD_BASE] and first[PAD_BASE] != second[PAD_BASE]
 
 
-async def _generate(pad_rounds: bool, wrong_at: set[int], n_slots: int = 6):
-    script = list(range(100, 160))
+async def _generate(pad_rounds: PadMode, wrong_at: set[int], n_slots: int = 6, n: int = 50):
+    script = list(range(100, 100 + n + 10))
     server = SlotServer(script, n_slots)
     drafter = ScriptDrafter(script, 2, wrong_at)
     generation = Generation(
-        server, [1, 2], GenerationParams(n_predict=50), 1000, drafter, PieceCache(server),
+        server, [1, 2], GenerationParams(n_predict=n), 1000, drafter, PieceCache(server),
         settings=EngineSettings(k=3, adaptive=False, pad_rounds=pad_rounds),
     )  # fmt: skip
     tokens = [event.token async for event in generation.run()]
@@ -88,7 +89,7 @@ async def test_padded_rounds_of_one_length_are_batches_of_one_size(wrong_at):
     padded_tokens(3) tokens and five prompts, whatever was accepted before; the pad
     prompt keeps to one slot, which no round's prompt uses; the output is the
     server's."""
-    script, tokens, result, server = await _generate(True, wrong_at)
+    script, tokens, result, server = await _generate("on", wrong_at)
     assert tokens == script[:50]
     records = result.rounds
     assert len(server.batches) == len(records)
@@ -105,7 +106,7 @@ async def test_padded_rounds_of_one_length_are_batches_of_one_size(wrong_at):
             assert sum(n for _, n in batch) == padded_tokens(3), batch
         assert not pad_slots & {slot for slot, _ in batch[:-1]}
     # without padding the batch sizes follow what was accepted
-    _, tokens, result, server = await _generate(False, wrong_at)
+    _, tokens, result, server = await _generate("off", wrong_at)
     assert tokens == script[:50]
     assert not any(r.pad_tokens for r in result.rounds)
     sizes = {sum(n for _, n in b) for r, b in zip(result.rounds, server.batches, strict=True)
@@ -121,7 +122,7 @@ async def test_a_pad_prompt_only_where_the_server_has_a_slot_to_spare(total_slot
 
     share = SlotShare(total_slots=total_slots, group_size=4)
     stream = await share.admit(True)
-    settings = EngineSettings(k=3, adaptive=False, pad_rounds=True)
+    settings = EngineSettings(k=3, adaptive=False, pad_rounds="on")
     policies = settings.policies().for_request(None, StreamLease(share, stream))
     script = list(range(100, 160))
     server = SlotServer(script, 6)
@@ -132,3 +133,18 @@ async def test_a_pad_prompt_only_where_the_server_has_a_slot_to_spare(total_slot
     tokens = [event.token async for event in generation.run()]
     assert tokens == script[:30]
     assert any(r.pad_tokens for r in generation.result.rounds) is padded
+
+
+async def test_auto_pads_in_blocks_and_records_which_rounds_it_could_pad():
+    """`auto` explores: the rounds it could pad come in blocks padded and unpadded (the
+    record says which), the others say it could not; the output is the server's."""
+    from proxy.policies.padding import BLOCK_ROUNDS
+
+    script, tokens, result, _ = await _generate("auto", {7, 40, 90}, n=200)
+    assert tokens == script[:200]
+    could = [r for r in result.rounds if r.padded is not None]
+    first_blocks = [r.padded for r in could[: 2 * BLOCK_ROUNDS]]
+    assert first_blocks == [True] * BLOCK_ROUNDS + [False] * BLOCK_ROUNDS
+    assert all(bool(r.pad_tokens) is r.padded for r in could)
+    assert all(not r.pad_tokens for r in result.rounds if r.padded is None)
+    assert any(r.padded is None for r in result.rounds)  # the first round, at least

@@ -14,15 +14,28 @@ from proxy.engine import EngineSettings
 def test_every_policy_setting_reaches_the_policies() -> None:
     settings = ProxySettings(
         upstream="http://127.0.0.1:1", k=6, adaptive_k=False, draft_length="marginal",
-        overlap="off", plain_runs="off",
+        overlap="off", plain_runs="off", pad_rounds="on",
     )  # fmt: skip
     shared = EngineSettings.from_settings(settings).policies()
     assert shared.draft_length.k_max == 6 and not shared.draft_length.adaptive
     assert shared.draft_length.rule == "marginal"
     assert shared.overlap.mode == "off"
     assert shared.plain_runs.mode == "off" and shared.sampled_plain_runs.mode == "off"
+    assert shared.padding.mode == "on"
     auto = EngineSettings.from_settings(ProxySettings(upstream="http://127.0.0.1:1"))
     assert auto.policies().plain_runs.mode == "auto"  # the proxy's default
+    assert auto.policies().padding.mode == "auto"
+
+
+def test_pad_rounds_still_takes_the_switch_words_it_took_before_it_was_measured() -> None:
+    for given, mode in (
+        (True, "on"),
+        (False, "off"),
+        ("true", "on"),
+        ("0", "off"),
+        ("auto", "auto"),
+    ):
+        assert ProxySettings(upstream="http://127.0.0.1:1", pad_rounds=given).pad_rounds == mode
 
 
 def test_each_engine_setting_is_read_from_the_proxy_settings() -> None:

@@ -1,0 +1,113 @@
+"""The padding policy (`--pad-rounds auto`): it measures padded against unpadded rounds
+at equal draft lengths and keeps what is faster (proxy.policies.padding)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from proxy.data.records import RoundRecord
+from proxy.policies import SharedPolicies
+from proxy.policies.padding import BLOCK_ROUNDS, RETRY_EVERY, PaddingPolicy
+
+
+def _record(padded: bool | None, k: int = 3, verify_ms: float = 20.0, **fields) -> RoundRecord:
+    return RoundRecord(
+        n_drafted=k, n_accepted=1, n_committed=2, draft_ms=1.0, verify_ms=verify_ms,
+        overhead_ms=0.5, padded=padded, **fields,
+    )  # fmt: skip
+
+
+def _serve(policy: PaddingPolicy, rounds: int, padded_ms: float, unpadded_ms: float,
+           k: int = 3) -> list[bool]:  # fmt: skip
+    """`rounds` eligible rounds whose verify time depends on the choice only."""
+    choices = []
+    for _ in range(rounds):
+        padded = policy.decide()
+        choices.append(padded)
+        policy.observe(_record(padded, k, padded_ms if padded else unpadded_ms))
+    return choices
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_on_and_off_never_change(mode):
+    policy = PaddingPolicy(mode)
+    choices = _serve(policy, 50, padded_ms=30.0, unpadded_ms=10.0)
+    assert set(choices) == {mode == "on"}
+    assert policy.chosen() is (mode == "on") and policy.enabled() is (mode == "on")
+    assert policy.verify_n == {}  # nothing to learn
+
+
+def test_auto_explores_in_blocks_then_keeps_padding_where_it_is_faster():
+    """The H200's CUDA case: padded rounds of three drafts 18.5 ms, unpadded 21.6 ms."""
+    policy = PaddingPolicy("auto")
+    assert policy.enabled() and not policy.chosen()
+    choices = _serve(policy, 4 * BLOCK_ROUNDS, padded_ms=18.5, unpadded_ms=21.6)
+    assert choices[:BLOCK_ROUNDS] == [True] * BLOCK_ROUNDS  # a block, not single rounds
+    assert choices[BLOCK_ROUNDS : 2 * BLOCK_ROUNDS] == [False] * BLOCK_ROUNDS
+    assert policy.chosen()
+    assert policy.saving_ms() == pytest.approx(3.1)
+    later = _serve(policy, RETRY_EVERY - 4 * BLOCK_ROUNDS, padded_ms=18.5, unpadded_ms=21.6)
+    assert all(later[-BLOCK_ROUNDS:]) and policy.snapshot()["deciding"] is False
+
+
+def test_auto_stops_padding_where_the_extra_tokens_only_cost():
+    """Strix Halo's Vulkan case: a padded round of two drafts is 10 tokens, past the
+    8-token matrix-vector edge, and costs more than the unpadded one."""
+    policy = PaddingPolicy("auto")
+    _serve(policy, 4 * BLOCK_ROUNDS, padded_ms=40.0, unpadded_ms=14.0, k=2)
+    assert not policy.chosen()
+    assert policy.saving_ms() == pytest.approx(-26.0)
+    assert not any(_serve(policy, RETRY_EVERY // 2, padded_ms=40.0, unpadded_ms=14.0, k=2))
+
+
+def test_auto_retries_the_losing_choice_for_a_block_less_and_less_often():
+    policy = PaddingPolicy("auto")
+    choices = _serve(policy, 4 * BLOCK_ROUNDS + 7 * RETRY_EVERY, padded_ms=40.0, unpadded_ms=14.0)
+    tries = [i for i, padded in enumerate(choices) if padded and i >= 4 * BLOCK_ROUNDS]
+    assert tries, "a re-try of padding"
+    starts = [i for i in tries if i - 1 not in tries]
+    whole = [s for s in starts if s + BLOCK_ROUNDS <= len(choices)]
+    assert all(choices[s : s + BLOCK_ROUNDS] == [True] * BLOCK_ROUNDS for s in whole)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(starts) == 3 and gaps == [2 * RETRY_EVERY, 4 * RETRY_EVERY]
+
+
+def test_auto_changes_its_choice_when_the_costs_change():
+    policy = PaddingPolicy("auto")
+    _serve(policy, 4 * BLOCK_ROUNDS, padded_ms=18.0, unpadded_ms=22.0)
+    assert policy.chosen()
+    # the server was restarted on a backend without graph reuse: the re-tries see it
+    _serve(policy, 6 * RETRY_EVERY, padded_ms=30.0, unpadded_ms=22.0)
+    assert not policy.chosen()
+
+
+def test_auto_decides_nothing_within_the_margin_or_across_draft_lengths():
+    policy = PaddingPolicy("auto")
+    _serve(policy, 6 * BLOCK_ROUNDS, padded_ms=20.2, unpadded_ms=20.4)  # 0.2 ms: noise
+    assert policy.snapshot()["deciding"] is True and not policy.chosen()
+    # padded rounds of 3 drafts and unpadded rounds of 5: nothing to compare
+    other = PaddingPolicy("auto")
+    for _ in range(6 * BLOCK_ROUNDS):
+        padded = other.decide()
+        other.observe(_record(padded, 3 if padded else 5, 10.0 if padded else 30.0))
+    assert other.saving_ms() is None and not other.chosen()
+
+
+def test_rounds_it_could_not_pad_or_that_caught_up_teach_nothing():
+    policy = PaddingPolicy("auto")
+    for _ in range(40):
+        policy.observe(_record(None, verify_ms=5.0))
+        policy.observe(_record(True, verify_ms=5.0, catch_up=True))
+    assert policy.verify_n == {}
+
+
+def test_the_shared_policies_hand_each_request_the_one_padding_policy():
+    shared = SharedPolicies.build(4, pad_rounds="auto")
+    one, two = shared.for_request(None), shared.for_request(None)
+    assert one.padding is two.padding is shared.padding
+    one.observe(_record(True, k=3, verify_ms=18.0))
+    assert shared.padding.verify_n == {(True, 3): 1}
+    with pytest.raises(ValueError, match="pad mode"):
+        PaddingPolicy("sometimes")  # type: ignore[arg-type]
