@@ -361,7 +361,7 @@ class Rounds:
             or last[0] != n_drafted or not self.policies.spare_slots(n_drafted + 2)
         ):  # fmt: skip
             return []
-        round_.pad_chosen = self.policies.padding.decide()
+        round_.pad_chosen = self.policies.padding.decide(n_drafted)
         return self.shape.pad(n_drafted, last[1]) if round_.pad_chosen else []
 
     def _pad_slot(self, id_slot: int) -> None:
@@ -502,5 +502,6 @@ def _round_line(index: int, round_: _Round, record: RoundRecord) -> str:
         "verify_sent_ms": round(record.verify_sent_ms, 2), "round_ms": round(record.round_ms, 2),
         "sent_ahead": record.sent_ahead, "catch_up": record.catch_up, "copied": round_.copied,
         "ahead": record.drafted_ahead, "reused": record.n_reused, "pad": record.pad_tokens,
+        "padded": record.padded,
         "slots": [[r.id_slot, r.prompt_n, r.cached, round(r.server_ms, 2)] for r in round_.results],
     }, separators=(",", ":"))  # fmt: skip

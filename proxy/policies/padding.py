@@ -11,19 +11,25 @@ does not, the extra tokens only cost: on Strix Halo's Vulkan a padded round of 2
 is 10 tokens, past the 8-token matrix-vector edge. The proxy cannot ask the server which
 backend it runs (its /props says nothing of it), so in mode `auto` it measures:
 
-- it alternates blocks of rounds padded and unpadded (a block, not single rounds:
-  CUDA replays a graph only from the third batch of one shape in a row, which is what
-  a padded run of rounds gets in use);
-- it compares their verify times at equal draft lengths, over the rounds that could
-  have been padded (the engine's own eligibility: the last round had as many drafts, no
-  slot copies, a spare slot), leaving out rounds whose slots caught up;
-- it pads once padding is faster by a margin, and now and then re-tries the losing
-  choice for a block, less and less often while the tries confirm the choice.
+- it measures each draft length apart: on the H200 padding saved 2.5-4.4 ms a round
+  of 3 or 4 drafts and lost 5.7 ms at 5, where the padded batch (37 tokens) outgrows
+  most unpadded ones;
+- at each length it alternates blocks of rounds padded and unpadded (a block, not
+  single rounds: CUDA replays a graph only from the third batch of one shape in a row,
+  which is what a padded run of rounds gets in use);
+- it compares their verify times over the rounds that could have been padded (the
+  engine's own eligibility: the last round had as many drafts, no slot copies, a spare
+  slot), leaving out rounds whose slots caught up;
+- it pads a length once padding saves a share of its round (5%), stops once it loses
+  or once enough rounds were compared without it winning; where the call was close
+  (within 10%) it now and then re-tries the losing choice for a block, less and less
+  often while the tries confirm it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from proxy.running_mean import running_mean
@@ -37,102 +43,142 @@ PadMode = Literal["auto", "on", "off"]
 
 _ALPHA = 0.05  # weight of the newest sample in each running mean
 BLOCK_ROUNDS = 8  # rounds in a row of one choice while exploring or re-trying
-_MIN_PER_LENGTH = 4  # samples per choice at one draft length for it to count
-_MIN_SAMPLES = 12  # compared samples (summed over lengths) before the choice is made
-_MARGIN_MS = 0.5  # padding must save this much a round (it holds a slot more)
-RETRY_EVERY = 128  # eligible rounds between re-tries of the losing choice, at first
-_RETRY_EVERY_MAX = 4096  # the interval doubles while the re-tries confirm the choice
+_MIN_SAMPLES = 12  # per choice at one length before its choice is made
+_SETTLE_SAMPLES = 48  # ... after which exploring ends unpadded unless padding won
+_MARGIN_MS = 0.5  # a difference this small a round is noise
+# Padding must save this share of an unpadded round to be chosen: it holds a slot more.
+# On the H100 (14B f16, 512) no length gained that much (padded rounds of 5 drafts
+# took ~1 ms less server time of ~25 in one run, more in the other) and always
+# speculating ran ~3% slower with padding; on the H200 rounds of 3 and 4 drafts saved
+# 11-17%.
+_MARGIN_SHARE = 0.05
+# Re-tries of the losing choice, for close calls only (the backend does not change under
+# a running proxy; noise does): a block of padded rounds of 2 drafts on Strix Halo's
+# Vulkan would cost ~26 ms a round, ~11% of the 128 rounds before it
+_CLOSE_SHARE = 0.10  # a close call: the saving is within this share of the round
+RETRY_EVERY = 256  # rounds of a length between re-tries, at first
+_RETRY_EVERY_MAX = 8192  # the interval doubles while the re-tries confirm the choice
+
+
+@dataclass
+class _Length:
+    """One draft length's verify times, padded and not, and its choice."""
+
+    verify_ms: dict[bool, float] = field(default_factory=dict)
+    verify_n: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    chosen: bool | None = None  # None: still exploring
+    rounds: int = 0  # its rounds decided
+    block: bool = False  # the current block's choice
+    block_left: int = 0
+    retry_every: int = RETRY_EVERY
+    next_retry: int = 0
+
+    def decide(self) -> bool:
+        self.rounds += 1
+        if self.block_left > 0:
+            self.block_left -= 1
+            return self.block
+        if self.chosen is None:  # explore: the choice with fewer samples
+            return self._start_block(self.verify_n[True] <= self.verify_n[False])
+        if self.rounds >= self.next_retry and self._close_call():
+            self.retry_every = min(2 * self.retry_every, _RETRY_EVERY_MAX)
+            self.next_retry = self.rounds + self.retry_every
+            return self._start_block(not self.chosen)
+        return self.chosen
+
+    def _start_block(self, padded: bool) -> bool:
+        self.block, self.block_left = padded, BLOCK_ROUNDS - 1
+        return padded
+
+    def observe(self, padded: bool, verify_ms: float) -> bool | None:
+        """One round's verify time; the new choice where it changed, else None."""
+        self.verify_n[padded] += 1
+        weight = max(1.0 / self.verify_n[padded], _ALPHA)
+        self.verify_ms[padded] = running_mean(self.verify_ms.get(padded), verify_ms, weight)
+        choice = self._verdict()
+        if choice is None or choice == self.chosen:
+            return None
+        self.chosen = choice
+        self.retry_every, self.next_retry = RETRY_EVERY, self.rounds + RETRY_EVERY
+        return choice
+
+    def _close_call(self) -> bool:
+        saving = self.saving_ms()
+        return saving is not None and abs(saving) < _CLOSE_SHARE * self.verify_ms[False]
+
+    def saving_ms(self) -> float | None:
+        """Verify time padding saves a round here; None until both sides have
+        `_MIN_SAMPLES`."""
+        if min(self.verify_n.values()) < _MIN_SAMPLES:
+            return None
+        return self.verify_ms[False] - self.verify_ms[True]
+
+    def _verdict(self) -> bool | None:
+        """Pad (True), do not (False), or no change (None; hysteresis between)."""
+        saving = self.saving_ms()
+        if saving is None:
+            return None
+        if saving >= max(_MARGIN_MS, _MARGIN_SHARE * self.verify_ms[False]):
+            return True
+        settled = self.chosen is None and min(self.verify_n.values()) >= _SETTLE_SAMPLES
+        return False if saving <= -_MARGIN_MS or settled else None
 
 
 class PaddingPolicy:
     """Chooses, for each round the engine could pad, whether it is padded (`decide`),
-    and learns from each such round's verify time (`observe`)."""
+    and learns from each such round's verify time (`observe`), draft length by draft
+    length."""
 
     def __init__(self, mode: PadMode = "auto") -> None:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"pad mode must be auto, on or off, not {mode!r}")
         self.mode = mode
-        # (padded?, drafts) -> mean verify ms, and its count
-        self.verify_ms: dict[tuple[bool, int], float] = {}
-        self.verify_n: dict[tuple[bool, int], int] = {}
-        self.rounds = 0  # eligible rounds decided
-        self._chosen: bool | None = None  # None: still exploring
-        self._block: bool = False  # the current block's choice
-        self._block_left = 0
-        self._retry_every = RETRY_EVERY
-        self._next_retry = 0
+        self.lengths: dict[int, _Length] = {}
 
     def enabled(self) -> bool:
         """Whether a generation should keep the means to pad at all."""
         return self.mode != "off"
 
-    def decide(self) -> bool:
-        """Pad this round (one the engine could pad)?"""
+    def decide(self, k: int) -> bool:
+        """Pad this round of k drafts (one the engine could pad)?"""
         if self.mode != "auto":
             return self.mode == "on"
-        self.rounds += 1
-        if self._block_left > 0:
-            self._block_left -= 1
-            return self._block
-        if self._chosen is None:  # explore: the choice with fewer compared samples
-            return self._start_block(self._samples(True) <= self._samples(False))
-        if self.rounds >= self._next_retry:
-            self._retry_every = min(2 * self._retry_every, _RETRY_EVERY_MAX)
-            self._next_retry = self.rounds + self._retry_every
-            return self._start_block(not self._chosen)
-        return self._chosen
-
-    def _start_block(self, padded: bool) -> bool:
-        self._block, self._block_left = padded, BLOCK_ROUNDS - 1
-        return padded
-
-    def _samples(self, padded: bool) -> int:
-        return sum(n for (p, _), n in self.verify_n.items() if p == padded)
-
-    def saving_ms(self) -> float | None:
-        """Verify time padding saves a round, over the draft lengths seen often enough
-        both ways, weighted by how often; None until `_MIN_SAMPLES` are compared."""
-        total = weight = 0.0
-        for (padded, k), unpadded_ms in self.verify_ms.items():
-            if padded or (True, k) not in self.verify_ms:
-                continue
-            counts = min(self.verify_n[(True, k)], self.verify_n[(False, k)])
-            if counts >= _MIN_PER_LENGTH:
-                total += counts * (unpadded_ms - self.verify_ms[(True, k)])
-                weight += counts
-        return total / weight if weight >= _MIN_SAMPLES else None
-
-    def chosen(self) -> bool:
-        """The choice as things stand (unpadded while exploring)."""
-        if self.mode != "auto":
-            return self.mode == "on"
-        return bool(self._chosen)
+        return self.lengths.setdefault(k, _Length()).decide()
 
     def observe(self, record: RoundRecord) -> None:
         """A round the engine could pad (`record.padded` not None), with its verify time."""
         if self.mode != "auto" or record.padded is None or record.catch_up:
             return
-        key = (record.padded, record.n_drafted)
-        self.verify_n[key] = self.verify_n.get(key, 0) + 1
-        self.verify_ms[key] = running_mean(
-            self.verify_ms.get(key), record.verify_ms, max(1.0 / self.verify_n[key], _ALPHA)
-        )
-        saving = self.saving_ms()
-        if saving is None or abs(saving) < _MARGIN_MS:
-            return  # hysteresis: no flapping on noise
-        before, self._chosen = self._chosen, saving > 0
-        if before != self._chosen:
-            self._retry_every = RETRY_EVERY
-            self._next_retry = self.rounds + RETRY_EVERY
+        k = record.n_drafted
+        length = self.lengths.setdefault(k, _Length())
+        choice = length.observe(record.padded, record.verify_ms)
+        if choice is not None:
             log.info(
-                "padded rounds now %s (padding saves %.1f ms a round)",
-                "on" if self._chosen else "off", saving,
+                "rounds of %d drafts now %s (padding saves %.1f ms a round)",
+                k, "padded" if choice else "unpadded", length.saving_ms() or 0.0,
             )  # fmt: skip
 
+    def padded_lengths(self) -> list[int]:
+        """The draft lengths padded as things stand (unpadded while exploring)."""
+        return sorted(k for k, length in self.lengths.items() if length.chosen)
+
+    def saving_ms(self) -> float | None:
+        """Verify time padding saves a round, over the lengths compared, weighted by
+        their rounds; None before any length was."""
+        total = weight = 0.0
+        for length in self.lengths.values():
+            saving = length.saving_ms()
+            if saving is not None:
+                n = min(length.verify_n.values())
+                total, weight = total + n * saving, weight + n
+        return total / weight if weight else None
+
     def snapshot(self) -> dict[str, object]:
+        auto = self.mode == "auto"
         return {
             "mode": self.mode,
-            "chosen": self.chosen(),
-            "deciding": self.mode == "auto" and self._chosen is None,
+            "padded_lengths": self.padded_lengths() if auto else [],
+            "chosen": bool(self.padded_lengths()) if auto else self.mode == "on",
+            "deciding": auto and any(length.chosen is None for length in self.lengths.values()),
             "saving_ms": self.saving_ms(),
         }
