@@ -4,10 +4,14 @@ first round, no copy, no catch-up) by drafts per round, padded or not, with thei
 batch sizes (the real prompts' tokens plus the pad's) and the server's median ms.
 
     python scripts/round_log_summary.py rounds-*.log
+    python scripts/round_log_summary.py --verdict rounds-*.log
 
 A padded run whose batch sizes are one number and whose server ms sit below the
 unpadded rounds' is what `--pad-rounds` is for (docs/BENCHMARKS.md, "Why the H200's
-rounds cost more than the ceiling's").
+rounds cost more than the ceiling's"). `--verdict` pools the files' rounds that were or
+could have been padded and feeds them, in blocks of padded and unpadded rounds in turn
+as `--pad-rounds auto` sends them, to the padding policy: which draft lengths it would
+pad on that server (docs/BENCHMARKS.md, "Padding decided on the GPU").
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
+
+from proxy.data.records import RoundRecord
+from proxy.policies.padding import BLOCK_ROUNDS, PaddingPolicy
 
 
 def rounds_of(lines: Iterable[str]) -> list[dict]:
@@ -49,7 +56,55 @@ def summary(rounds: list[dict]) -> list[dict]:
     return rows
 
 
+def could_pad(rounds: list[dict]) -> list[RoundRecord]:
+    """The rounds of one log that were padded or could have been, as the policy's
+    records. Logs from before the `padded` field: a round could have been padded where
+    it had as many drafts as the last and no slot copy or catch-up."""
+    records, last = [], None
+    for r in rounds:
+        padded = r.get("padded")
+        if "padded" not in r:
+            same = r["n_drafted"] and r["n_drafted"] == last
+            padded = True if r.get("pad") else (False if same else None)
+        last = r["n_drafted"]
+        if padded is not None and not (r["catch_up"] or r["copied"]):
+            records.append(RoundRecord(
+                n_drafted=r["n_drafted"], n_accepted=r["n_accepted"], n_committed=0,
+                draft_ms=r["draft_ms"], verify_ms=r["verify_ms"],
+                overhead_ms=r["overhead_ms"], padded=padded,
+            ))  # fmt: skip
+    return records
+
+
+def padding_verdict(records: list[RoundRecord]) -> PaddingPolicy:
+    """The policy after the records, fed in turns of a block of padded rounds and a
+    block of unpadded ones (each side in its logged order)."""
+    policy = PaddingPolicy("auto")
+    sides = [[r for r in records if r.padded], [r for r in records if not r.padded]]
+    for start in range(0, max(map(len, sides)), BLOCK_ROUNDS):
+        for side in sides:
+            for record in side[start : start + BLOCK_ROUNDS]:
+                policy.observe(record)
+    return policy
+
+
+def print_verdict(paths: list[str]) -> None:
+    records = [r for p in paths for r in could_pad(rounds_of(Path(p).read_text().splitlines()))]
+    policy = padding_verdict(records)
+    print(f"padded lengths: {policy.padded_lengths() or 'none'}")
+    for k, length in sorted(policy.lengths.items()):
+        ms = {side: length.verify_ms.get(side) for side in (True, False)}
+        print(
+            f"  k={k}  padded {ms[True] or 0:6.2f} ms x{length.verify_n[True]:<4d} "
+            f"unpadded {ms[False] or 0:6.2f} ms x{length.verify_n[False]:<4d} "
+            f"-> {({None: 'undecided', True: 'padded', False: 'unpadded'})[length.chosen]}"
+        )
+
+
 def main(paths: list[str]) -> int:
+    if paths[:1] == ["--verdict"]:
+        print_verdict(paths[1:])
+        return 0
     for path in paths:
         rows = summary(rounds_of(Path(path).read_text().splitlines()))
         print(path)

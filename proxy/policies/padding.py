@@ -12,7 +12,7 @@ is 10 tokens, past the 8-token matrix-vector edge. The proxy cannot ask the serv
 backend it runs (its /props says nothing of it), so in mode `auto` it measures:
 
 - it measures each draft length apart: on the H200 padding saved 2.5-4.4 ms a round
-  of 3 or 4 drafts and lost 5.7 ms at 5, where the padded batch (37 tokens) outgrows
+  of 3 or 4 drafts and lost 5.6-7.8 ms at 5, where the padded batch (37 tokens) outgrows
   most unpadded ones;
 - at each length it alternates blocks of rounds padded and unpadded (a block, not
   single rounds: CUDA replays a graph only from the third batch of one shape in a row,

@@ -33,3 +33,38 @@ def test_steady_rounds_are_grouped_by_drafts_and_padding_with_their_batch_sizes(
         {"k": 2, "padded": True, "rounds": 2, "batch_sizes": {10: 2},
          "server_ms": 14.25, "verify_ms": 17.25},
     ]  # fmt: skip
+
+
+def _verdict_lines(k: int, padded_ms: float, unpadded_ms: float, n: int, logged: bool):
+    """n padded and n unpadded rounds of k drafts after a first round; `logged`: the
+    logs name the rounds that could have been padded (else inferred, older logs)."""
+    lines = [_line(0, 0, [513], 0, 40.0, n_accepted=0, draft_ms=0.0, overhead_ms=0.0)]
+    for i in range(1, 2 * n + 1):
+        padded = i > n
+        flags = {"padded": padded} if logged else {}
+        lines.append(_line(
+            i, k, [1, 2, 3], 4 if padded else 0, (padded_ms if padded else unpadded_ms) - 3,
+            n_accepted=1, draft_ms=1.0, overhead_ms=0.5, **flags,
+        ))  # fmt: skip
+    return lines
+
+
+def test_the_verdict_replays_the_rounds_through_the_padding_policy():
+    summary = load_script("round_log_summary")
+    for logged in (True, False):
+        # H200-like: padding saves 3.8 ms of 22.5 at 3 drafts; H100-like: it loses at 5
+        h200 = summary.could_pad(summary.rounds_of(_verdict_lines(3, 18.7, 22.5, 20, logged)))
+        assert len(h200) == 40 - (not logged)  # older logs: the first unpadded round is not known
+        assert summary.padding_verdict(h200).padded_lengths() == [3]
+        h100 = summary.could_pad(summary.rounds_of(_verdict_lines(5, 26.2, 25.5, 20, logged)))
+        policy = summary.padding_verdict(h100)
+        assert policy.padded_lengths() == [] and policy.lengths[5].chosen is False
+
+
+def test_the_verdict_prints_each_length_and_its_choice(tmp_path, capsys):
+    summary = load_script("round_log_summary")
+    log = tmp_path / "rounds.log"
+    log.write_text("\n".join(_verdict_lines(3, 18.7, 22.5, 20, True)))
+    assert summary.main(["--verdict", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "padded lengths: [3]" in out and "k=3" in out and "-> padded" in out
