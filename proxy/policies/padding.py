@@ -14,9 +14,10 @@ backend it runs (its /props says nothing of it), so in mode `auto` it measures:
 - it measures each draft length apart: on the H200 padding saved 2.5-4.4 ms a round
   of 3 or 4 drafts and lost 5.6-7.8 ms at 5, where the padded batch (37 tokens) outgrows
   most unpadded ones;
-- at each length it alternates blocks of rounds padded and unpadded (a block, not
+- at each length it alternates blocks of rounds unpadded and padded (a block, not
   single rounds: CUDA replays a graph only from the third batch of one shape in a row,
-  which is what a padded run of rounds gets in use);
+  which is what a padded run of rounds gets in use), and stops after four padded rounds
+  where they cost over 25% more than the unpadded ones;
 - it compares their verify times over the rounds that could have been padded (the
   engine's own eligibility: the last round had as many drafts, no slot copies, a spare
   slot), leaving out rounds whose slots caught up;
@@ -46,6 +47,14 @@ BLOCK_ROUNDS = 8  # rounds in a row of one choice while exploring or re-trying
 _MIN_SAMPLES = 12  # per choice at one length before its choice is made
 _SETTLE_SAMPLES = 48  # ... after which exploring ends unpadded unless padding won
 _MARGIN_MS = 0.5  # a difference this small a round is noise
+# Padding that costs this much more than unpadded rounds after a few rounds of each is
+# dropped at once: on Strix Halo's Vulkan a padded round of 2 drafts (10 tokens, past
+# the 8-token edge) costs ~2.6 times an unpadded one, ~2 plain steps of the 32B more,
+# and a full exploration (16 padded rounds) would cost a 3-turn chat ~4%. On CUDA the
+# first two padded rounds of a block are not replayed yet (~+30%, H200), so four rounds
+# stay within it where padding wins.
+_HOPELESS_SHARE = 0.25
+_HOPELESS_AFTER = 4  # rounds of each side
 # Padding must save this share of an unpadded round to be chosen: it holds a slot more.
 # On the H100 (14B f16, 512) no length gained that much (padded rounds of 5 drafts
 # took ~1 ms less server time of ~25 in one run, more in the other) and always
@@ -78,8 +87,8 @@ class _Length:
         if self.block_left > 0:
             self.block_left -= 1
             return self.block
-        if self.chosen is None:  # explore: the choice with fewer samples
-            return self._start_block(self.verify_n[True] <= self.verify_n[False])
+        if self.chosen is None:  # explore: the choice with fewer samples, unpadded first
+            return self._start_block(self.verify_n[True] < self.verify_n[False])
         if self.rounds >= self.next_retry and self._close_call():
             self.retry_every = min(2 * self.retry_every, _RETRY_EVERY_MAX)
             self.next_retry = self.rounds + self.retry_every
@@ -98,9 +107,15 @@ class _Length:
         choice = self._verdict()
         if choice is None or choice == self.chosen:
             return None
-        self.chosen = choice
+        self.chosen, self.block_left = choice, 0  # a block in progress ends with the verdict
         self.retry_every, self.next_retry = RETRY_EVERY, self.rounds + RETRY_EVERY
         return choice
+
+    def _hopeless(self) -> bool:
+        """A few rounds of each side already show padding far slower."""
+        if min(self.verify_n.values()) < _HOPELESS_AFTER:
+            return False
+        return self.verify_ms[True] > (1 + _HOPELESS_SHARE) * self.verify_ms[False]
 
     def _close_call(self) -> bool:
         saving = self.saving_ms()
@@ -115,6 +130,8 @@ class _Length:
 
     def _verdict(self) -> bool | None:
         """Pad (True), do not (False), or no change (None; hysteresis between)."""
+        if self.chosen is None and self._hopeless():
+            return False
         saving = self.saving_ms()
         if saving is None:
             return None

@@ -143,8 +143,10 @@ async def test_auto_pads_in_blocks_and_records_which_rounds_it_could_pad():
     script, tokens, result, _ = await _generate("auto", {7, 40, 90}, n=200)
     assert tokens == script[:200]
     could = [r for r in result.rounds if r.padded is not None]
-    first_blocks = [r.padded for r in could[: 2 * BLOCK_ROUNDS]]
-    assert first_blocks == [True] * BLOCK_ROUNDS + [False] * BLOCK_ROUNDS
+    # a block unpadded, then padded ones (at least four: the fake server's padded
+    # batches, one prompt more, may cost enough more to drop padding then)
+    assert [r.padded for r in could[:BLOCK_ROUNDS]] == [False] * BLOCK_ROUNDS
+    assert all(r.padded for r in could[BLOCK_ROUNDS : BLOCK_ROUNDS + 4])
     assert all(bool(r.pad_tokens) is r.padded for r in could)
     assert all(not r.pad_tokens for r in result.rounds if r.padded is None)
     assert any(r.padded is None for r in result.rounds)  # the first round, at least

@@ -44,8 +44,8 @@ def test_auto_explores_in_blocks_then_keeps_padding_where_it_is_faster():
     policy = PaddingPolicy("auto")
     assert policy.enabled() and not policy.snapshot()["chosen"]
     choices = _serve(policy, 4 * BLOCK_ROUNDS, padded_ms=18.5, unpadded_ms=21.6)
-    assert choices[:BLOCK_ROUNDS] == [True] * BLOCK_ROUNDS  # a block, not single rounds
-    assert choices[BLOCK_ROUNDS : 2 * BLOCK_ROUNDS] == [False] * BLOCK_ROUNDS
+    assert choices[:BLOCK_ROUNDS] == [False] * BLOCK_ROUNDS  # a block, not single rounds
+    assert choices[BLOCK_ROUNDS : 2 * BLOCK_ROUNDS] == [True] * BLOCK_ROUNDS
     assert policy.padded_lengths() == [3]
     assert policy.saving_ms() == pytest.approx(3.1)
     later = _serve(policy, RETRY_EVERY - 4 * BLOCK_ROUNDS, padded_ms=18.5, unpadded_ms=21.6)
@@ -56,10 +56,19 @@ def test_auto_stops_padding_where_the_extra_tokens_only_cost():
     """Strix Halo's Vulkan case: a padded round of two drafts is 10 tokens, past the
     8-token matrix-vector edge, and costs more than the unpadded one."""
     policy = PaddingPolicy("auto")
-    _serve(policy, 4 * BLOCK_ROUNDS, padded_ms=40.0, unpadded_ms=14.0, k=2)
+    choices = _serve(policy, 4 * BLOCK_ROUNDS, padded_ms=40.0, unpadded_ms=14.0, k=2)
+    assert sum(choices) == 4  # dropped after four padded rounds: hopeless
     assert policy.padded_lengths() == [] and policy.snapshot()["deciding"] is False
-    assert policy.saving_ms() == pytest.approx(-26.0)
     assert not any(_serve(policy, RETRY_EVERY // 2, padded_ms=40.0, unpadded_ms=14.0, k=2))
+    # on CUDA the first padded rounds of a block are slow (graphs not yet replayed): a
+    # 30% worse start does not drop a length that then wins
+    cuda = PaddingPolicy("auto")
+    _serve(cuda, BLOCK_ROUNDS, padded_ms=0.0, unpadded_ms=22.5)
+    padded_ms = iter((29.0, 29.0) + (18.5,) * 40)
+    for _ in range(3 * BLOCK_ROUNDS):
+        padded = cuda.decide(3)
+        cuda.observe(_record(padded, 3, next(padded_ms) if padded else 22.5))
+    assert cuda.padded_lengths() == [3]
 
 
 def test_each_draft_length_is_measured_and_chosen_apart():
@@ -86,7 +95,7 @@ def test_auto_retries_a_close_call_for_a_block_less_and_less_often():
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert len(starts) == 3 and gaps == [2 * RETRY_EVERY, 4 * RETRY_EVERY]
     far = PaddingPolicy("auto")
-    assert sum(_serve(far, 4 * BLOCK_ROUNDS + 7 * RETRY_EVERY, 32.0, 20.0)) == 2 * BLOCK_ROUNDS
+    assert sum(_serve(far, 4 * BLOCK_ROUNDS + 7 * RETRY_EVERY, 32.0, 20.0)) == 4
 
 
 def test_auto_changes_its_choice_when_the_costs_change():
