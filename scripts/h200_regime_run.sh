@@ -146,38 +146,24 @@ exact_gen_lru() {  # always speculating, gen-lru at 512, 2 repeats, checked exac
     --work-dir /tmp/exact -o "$OUT/h200-spec-exact-gen-lru.json" | tail -25 \
     || echo "exact FAILED"
 }
-spec_gen_lru() {  # NAME VARIANTS...: always speculating (each --proxy-variant gets
-  # --plain-runs off --log-rounds), gen-lru at 512, 3 repeats, checked exactly (cores
-  # 0-7); each round's line from the proxies' logs to $OUT
-  local name="$1"; shift
+spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --proxy-variant
+  # gets --plain-runs off --log-rounds), the PROMPTS at 512, checked exactly (cores 0-7);
+  # each round's line from the proxies' logs to $OUT
+  local name="$1" prompts="$2" repeats="$3"; shift 3
   local variants=()
   for v in "$@"; do variants+=(--proxy-variant "${v%%=*}=--plain-runs off --log-rounds ${v#*=}"); done
   taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
-    --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru \
-    --modes plain,oracle -k 6 --repeats 3 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
-    --oracle-delay-steps 0.12 "${variants[@]}" --exact-check all \
+    --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids "$prompts" \
+    --modes plain,oracle -k 6 --repeats "$repeats" --ceiling-ks 1,2,3,4,6 \
+    --oracle-acceptance 0.77 --oracle-delay-steps 0.12 "${variants[@]}" --exact-check all \
     --work-dir "/tmp/spec-$name" -o "$OUT/h200-spec-$name.json" | tail -25 \
     || echo "spec $name FAILED"
   for log in "/tmp/spec-$name"/logs/*.proxy.log; do
     grep -h 'rounds.log' "$log" > "$OUT/rounds-$name-$(basename "$log" .proxy.log).log" || true
   done
 }
-spec_ab() {  # NAME VARIANTS...: always speculating (each --proxy-variant gets --plain-runs
-  # off --log-rounds), gen-lru and chat-travel at 512, 2 repeats, checked exactly (cores
-  # 0-7); each round's line from the proxies' logs to $OUT
-  local name="$1"; shift
-  local variants=()
-  for v in "$@"; do variants+=(--proxy-variant "${v%%=*}=--plain-runs off --log-rounds ${v#*=}"); done
-  taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
-    --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids gen-lru,chat-travel \
-    --modes plain,oracle -k 6 --repeats 2 --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 \
-    --oracle-delay-steps 0.12 "${variants[@]}" --exact-check all \
-    --work-dir "/tmp/spec-$name" -o "$OUT/h200-spec-$name.json" | tail -25 \
-    || echo "spec $name FAILED"
-  for log in "/tmp/spec-$name"/logs/*.proxy.log; do
-    grep -h 'rounds.log' "$log" > "$OUT/rounds-$name-$(basename "$log" .proxy.log).log" || true
-  done
-}
+spec_gen_lru() { spec_cells "$1" gen-lru 3 "${@:2}"; }  # NAME VARIANTS...
+spec_ab() { spec_cells "$1" gen-lru,chat-travel 2 "${@:2}"; }  # NAME VARIANTS...
 spec_chats() {  # VARIANTS...: always speculating, 3-turn chats of gen-lru and chat-travel
   # at 512, rounds logged (cores 0-7)
   local variants=()
