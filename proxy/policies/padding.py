@@ -6,7 +6,7 @@ one token count every round of its draft length then has (`proxy.engine.round_sh
 Where the backend reuses a compute graph for a batch of the last one's shape (llama.cpp
 b11434 on CUDA replays it as a CUDA graph), that saves more than the extra tokens cost:
 on the H200 (14B f16, 512) a round of 3 drafts took 18.2-19.4 ms padded against
-21.5-21.8 ms unpadded (docs/BENCHMARKS.md, "Padding on the H200: the A/B"). Where it
+21.5-21.8 ms unpadded (docs/BENCHMARKS.md, "Padding decided on the GPU"). Where it
 does not, the extra tokens only cost: on Strix Halo's Vulkan a padded round of 2 drafts
 is 10 tokens, past the 8-token matrix-vector edge. The proxy cannot ask the server which
 backend it runs (its /props says nothing of it), so in mode `auto` it measures:
