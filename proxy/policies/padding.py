@@ -62,8 +62,8 @@ _HOPELESS_AFTER = 4  # rounds of each side
 # 11-17%.
 _MARGIN_SHARE = 0.05
 # Re-tries of the losing choice, for close calls only (the backend does not change under
-# a running proxy; noise does): a block of padded rounds of 2 drafts on Strix Halo's
-# Vulkan would cost ~26 ms a round, ~11% of the 128 rounds before it
+# a running proxy; noise does): where padding is far slower, as at 2 drafts on Strix
+# Halo's Vulkan (~2.6x), a block of it would cost more than any change it could catch
 _CLOSE_SHARE = 0.10  # a close call: the saving is within this share of the round
 RETRY_EVERY = 256  # rounds of a length between re-tries, at first
 _RETRY_EVERY_MAX = 8192  # the interval doubles while the re-tries confirm the choice
