@@ -171,8 +171,10 @@ class PaddingPolicy:
         choice = length.observe(record.padded, record.verify_ms)
         if choice is not None:
             log.info(
-                "rounds of %d drafts now %s (padding saves %.1f ms a round)",
-                k, "padded" if choice else "unpadded", length.saving_ms() or 0.0,
+                "rounds of %d drafts now %s (verify %.1f ms padded, %d rounds; %.1f ms "
+                "unpadded, %d rounds)", k, "padded" if choice else "unpadded",
+                length.verify_ms[True], length.verify_n[True], length.verify_ms[False],
+                length.verify_n[False],
             )  # fmt: skip
 
     def padded_lengths(self) -> list[int]:

@@ -4,6 +4,7 @@ at each draft length and keeps what is faster there (proxy.policies.padding)."""
 from __future__ import annotations
 
 import itertools
+import logging
 
 import pytest
 
@@ -52,12 +53,14 @@ def test_auto_explores_in_blocks_then_keeps_padding_where_it_is_faster():
     assert all(later[-BLOCK_ROUNDS:]) and policy.snapshot()["deciding"] is False
 
 
-def test_auto_stops_padding_where_the_extra_tokens_only_cost():
+def test_auto_stops_padding_where_the_extra_tokens_only_cost(caplog):
     """Strix Halo's Vulkan case: a padded round of two drafts is 10 tokens, past the
     8-token matrix-vector edge, and costs more than the unpadded one."""
+    caplog.set_level(logging.INFO, logger="proxy.policies.padding")
     policy = PaddingPolicy("auto")
     choices = _serve(policy, 4 * BLOCK_ROUNDS, padded_ms=40.0, unpadded_ms=14.0, k=2)
     assert sum(choices) == 4  # dropped after four padded rounds: hopeless
+    assert "rounds of 2 drafts now unpadded (verify 40.0 ms padded, 4 rounds" in caplog.text
     assert policy.padded_lengths() == [] and policy.snapshot()["deciding"] is False
     assert not any(_serve(policy, RETRY_EVERY // 2, padded_ms=40.0, unpadded_ms=14.0, k=2))
     # on CUDA the first padded rounds of a block are slow (graphs not yet replayed): a
