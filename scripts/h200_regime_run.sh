@@ -76,6 +76,11 @@
 #   s28b    start; --pad-rounds auto against off (always speculating, gen-lru and
 #           chat-travel at 512, 2 repeats, rounds logged); the 512 single turns over all 8
 #           prompts with the defaults
+#   s29     start; --pad-rounds auto against off (always speculating, gen-lru and
+#           chat-travel at 512, 2 repeats, rounds logged) beside llama.cpp's own drafting;
+#           the 3-turn chats always speculating with auto; the 512 single turns over all
+#           8 prompts with the defaults; beside them the Strix Halo 14B (cores 8-11) and
+#           32B (12-15) 3-turn chats with the defaults
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -148,13 +153,16 @@ exact_gen_lru() {  # always speculating, gen-lru at 512, 2 repeats, checked exac
 }
 spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --proxy-variant
   # gets --plain-runs off --log-rounds), the PROMPTS at 512, checked exactly (cores 0-7);
-  # each round's line from the proxies' logs to $OUT
+  # each round's line from the proxies' logs to $OUT. BUILTIN=1: llama.cpp's own
+  # drafting beside them (the fair builtin: the 0.6B-shape draft on the GPU, k = 6)
   local name="$1" prompts="$2" repeats="$3"; shift 3
-  local variants=()
+  local variants=() modes=(--modes plain,oracle)
   for v in "$@"; do variants+=(--proxy-variant "${v%%=*}=--plain-runs off --log-rounds ${v#*=}"); done
+  [ "${BUILTIN:-0}" = 1 ] && modes=(--modes plain,builtin,oracle --draft-gguf /tmp/m14/draft.gguf
+    --builtin-args='-ngld 99')
   taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
     --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids "$prompts" \
-    --modes plain,oracle -k 6 --repeats "$repeats" --ceiling-ks 1,2,3,4,6 \
+    "${modes[@]}" -k 6 --repeats "$repeats" --ceiling-ks 1,2,3,4,6 \
     --oracle-acceptance 0.77 --oracle-delay-steps 0.12 "${variants[@]}" --exact-check all \
     --work-dir "/tmp/spec-$name" -o "$OUT/h200-spec-$name.json" | tail -25 \
     || echo "spec $name FAILED"
@@ -174,6 +182,9 @@ spec_chats() {  # VARIANTS...: always speculating, 3-turn chats of gen-lru and c
     --ceiling-ks 1,2,3,4,6 --oracle-acceptance 0.77 --oracle-delay-steps 0.12 \
     "${variants[@]}" --work-dir /tmp/spec-chats -o "$OUT/h200-spec-chats.json" | tail -25 \
     || echo "spec chats FAILED"
+  for log in /tmp/spec-chats/logs/*.proxy.log; do
+    grep -h 'rounds.log' "$log" > "$OUT/rounds-chats-$(basename "$log" .proxy.log).log" || true
+  done
 }
 graph_costs() {  # NAME: verify-cost parts a, h, m at 512, k = 3 and 4 (cores 0-7)
   taskset -c 0-7 python3 -m proxy.cli verify-cost --target /tmp/m14/target.gguf \
@@ -563,6 +574,18 @@ case "$STAGE" in
     spec_ab auto 'auto=' 'off=--pad-rounds off'
     python3 scripts/round_log_summary.py "$OUT"/rounds-auto-*.log || true
     single8_defaults 512
+    ;;
+  s29)  # session 29: --pad-rounds auto end to end (see the list above)
+    bash scripts/h200_regime_run.sh start
+    strix14 . 8-11 chat-s29 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
+    strix_cell 32b . 12-15 chat-s29 --turns 3 -n 400 > /tmp/emu-b.log 2>&1 &
+    BUILTIN=1 spec_ab auto 'auto=' 'off=--pad-rounds off'
+    python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    spec_chats 'auto='
+    single8_defaults 512
+    wait
+    grep -v "INFO proxy" /tmp/emu-a.log /tmp/emu-b.log
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources

@@ -5,6 +5,7 @@ batch sizes (the real prompts' tokens plus the pad's) and the server's median ms
 
     python scripts/round_log_summary.py rounds-*.log
     python scripts/round_log_summary.py --verdict rounds-*.log
+    python scripts/round_log_summary.py --generations rounds-*.log
 
 A padded run whose batch sizes are one number and whose server ms sit below the
 unpadded rounds' is what `--pad-rounds` is for (docs/BENCHMARKS.md, "Why the H200's
@@ -12,6 +13,9 @@ rounds cost more than the ceiling's"). `--verdict` pools the files' rounds that 
 could have been padded and feeds them, in blocks of padded and unpadded rounds in turn
 as `--pad-rounds auto` sends them, to the padding policy: which draft lengths it would
 pad on that server (docs/BENCHMARKS.md, "Padding decided on the GPU").
+`--generations` gives each generation's first round (the prefill and the slot copies
+after it) apart from the rest, and the rest's tokens a second: what a cold request's
+fill costs against the steady speed after it.
 """
 
 from __future__ import annotations
@@ -101,9 +105,52 @@ def print_verdict(paths: list[str]) -> None:
         )
 
 
+def generations(rounds: list[dict]) -> list[dict]:
+    """Per generation (its rounds start at i = 0): the first round's prompt tokens
+    found cached (0: cold), its ms and its copies' ms (save and restores, logs from
+    before the `copies` field: None), and the later rounds' count, rounds without a
+    draft, tokens committed and tokens a second (a round commits its accepted drafts
+    and one token of the server's; a finished generation's last round may commit
+    fewer)."""
+    runs: list[list[dict]] = []
+    for r in rounds:
+        if r["i"] == 0 or not runs:
+            runs.append([])
+        runs[-1].append(r)
+    rows = []
+    for first, *rest in runs:
+        copies = first.get("copies")
+        later_ms = sum(r["round_ms"] for r in rest)
+        tokens = sum(r["n_accepted"] + 1 for r in rest)
+        rows.append({
+            "cached": first["slots"][0][2] if first["slots"] else 0,
+            "first_ms": first["round_ms"],
+            "copies_ms": None if copies is None else sum(c[0] + c[1] for c in copies),
+            "rounds": len(rest), "empty": sum(1 for r in rest if not r["n_drafted"]),
+            "tokens": tokens, "tokens_per_s": 1e3 * tokens / later_ms if later_ms else None,
+        })  # fmt: skip
+    return rows
+
+
+def print_generations(paths: list[str]) -> None:
+    for path in paths:
+        print(path)
+        for row in generations(rounds_of(Path(path).read_text().splitlines())):
+            copies = "-" if row["copies_ms"] is None else f"{row['copies_ms']:.1f}"
+            speed = row["tokens_per_s"] or 0.0
+            print(
+                f"  cached {row['cached']:5d}  first round {row['first_ms']:7.1f} ms "
+                f"(copies {copies})  then {row['rounds']:3d} rounds ({row['empty']} empty) "
+                f"{row['tokens']:4d} tokens at {speed:6.1f} tok/s"
+            )
+
+
 def main(paths: list[str]) -> int:
     if paths[:1] == ["--verdict"]:
         print_verdict(paths[1:])
+        return 0
+    if paths[:1] == ["--generations"]:
+        print_generations(paths[1:])
         return 0
     for path in paths:
         rows = summary(rounds_of(Path(path).read_text().splitlines()))

@@ -22,7 +22,7 @@ from proxy.engine.proposer import DraftOutcome, Proposer
 from proxy.engine.round_shape import RoundShape, filler_tokens
 from proxy.engine.rules import Rule
 from proxy.engine.server_text import PieceCache, TokenEvent
-from proxy.engine.slot_copies import FirstRound, SlotCopies
+from proxy.engine.slot_copies import CopyTimes, FirstRound, SlotCopies
 from proxy.policies import Policies
 from proxy.server.upstream import UpstreamClient
 
@@ -464,8 +464,9 @@ class Rounds:
             padded=round_.pad_chosen,
         )
         loop.last_back = round_.verify_back
+        copies = self.slots.take_copy_times()
         if round_log.isEnabledFor(logging.DEBUG):
-            round_log.debug("round %s", _round_line(len(loop.rounds), round_, record))
+            round_log.debug("round %s", _round_line(len(loop.rounds), round_, record, copies))
         if record.drafted_ahead is not None and after is None:
             loop.awaiting_overlap = record  # judged by the next round's draft
         self._close_round(loop, record)
@@ -489,7 +490,7 @@ class Rounds:
             self.observer.observe_round(record)
 
 
-def _round_line(index: int, round_: _Round, record: RoundRecord) -> str:
+def _round_line(index: int, round_: _Round, record: RoundRecord, copies: list[CopyTimes]) -> str:
     """One round as a JSON line (`--log-rounds`): what it drafted and accepted, its
     times, and per prompt the slot, the tokens it ingested and found cached and the
     server's time, where the round's cost comes from."""
@@ -503,5 +504,7 @@ def _round_line(index: int, round_: _Round, record: RoundRecord) -> str:
         "sent_ahead": record.sent_ahead, "catch_up": record.catch_up, "copied": round_.copied,
         "ahead": record.drafted_ahead, "reused": record.n_reused, "pad": record.pad_tokens,
         "padded": record.padded,
+        # the slot copies it waited for: [save ms, restores ms, slots restored] each
+        "copies": [times.as_list() for times in copies],
         "slots": [[r.id_slot, r.prompt_n, r.cached, round(r.server_ms, 2)] for r in round_.results],
     }, separators=(",", ":"))  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,18 @@ log = logging.getLogger(__name__)
 
 _PASSING = (503, 504)  # UpstreamError statuses of a failure worth trying again later
 _RATE_ALPHA = 0.3  # weight of the newest measurement in the running rates
+
+
+@dataclass
+class CopyTimes:
+    """One copy's wall times (ms): the save, and the restores (sent at once)."""
+
+    save_ms: float = 0.0
+    restore_ms: float = 0.0
+    restored: int = 0
+
+    def as_list(self) -> list[float | int]:
+        return [round(self.save_ms, 2), round(self.restore_ms, 2), self.restored]
 
 
 class SlotReplicator:
@@ -99,11 +112,12 @@ class SlotReplicator:
         keep: Collection[int] = (),
         save: bool = True,
         into: Collection[int] | None = None,
+        times: CopyTimes | None = None,
     ) -> list[int]:
         """Copy slot `id_slot` into up to `copies` idle slots, none of `keep` (only of
         `into` where given); returns the ids restored (nothing is saved where no slot
         is free). `save` False: restore `filename` as it is (saved earlier by the same
-        generation)."""
+        generation). `times` gets the save's and the restores' wall times."""
         if not self.available or copies <= 0 or id_slot < 0:
             return []
         restored: list[int] = []
@@ -116,11 +130,26 @@ class SlotReplicator:
             ][:copies]  # fmt: skip
             if not targets:
                 return []
+            started = time.perf_counter()
             if save:
                 self._observe_save(await self.upstream.slot_action(id_slot, "save", filename))
-            for target in targets:
-                await self.upstream.slot_action(target, "restore", filename)
-                restored.append(target)
+            saved = time.perf_counter()
+            # all at once: the server restores them one after another in its loop, and
+            # no request waits for the last one's answer to travel back
+            answers = await asyncio.gather(
+                *(self.upstream.slot_action(target, "restore", filename) for target in targets),
+                return_exceptions=True,
+            )
+            restored = [
+                t for t, a in zip(targets, answers, strict=True) if not isinstance(a, BaseException)
+            ]
+            if times is not None:
+                times.save_ms = (saved - started) * 1e3 if save else 0.0
+                times.restore_ms = (time.perf_counter() - saved) * 1e3
+                times.restored = len(restored)
+            failed = next((a for a in answers if isinstance(a, BaseException)), None)
+            if failed is not None:
+                raise failed
         except (UpstreamClientError, UpstreamError) as exc:
             # only speed is lost either way; a timeout or a busy server is passing, a
             # refusal (501 without --slot-save-path) is not
@@ -262,6 +291,8 @@ class SlotCopies:
         self.erasing: asyncio.Task[None] | None = None
         # slots no copy may go to: the one the rounds' pad prompt uses (`reserve`)
         self.reserved: set[int] = set()
+        # the wall times of copies not yet shown in a round's log line
+        self.copy_times: list[CopyTimes] = []
 
     def first_round(self, one_slot: bool) -> FirstRound:
         """The plan of a first round that has a drafter: one slot is prefilled (and
@@ -331,7 +362,7 @@ class SlotCopies:
         if need <= 0 or replicator is None or not replicator.available or self.fullest < 0:
             return False
         await self._erased()
-        copied = await replicator.replicate(self.fullest, need, self.slot_file, into=emptied[:need])
+        copied = await self._replicate(replicator, self.fullest, need, into=emptied[:need])
         if copied:
             log.info("slots %s were emptied: copied the context afresh", copied)
             self.saved_at = n_context
@@ -387,7 +418,7 @@ class SlotCopies:
         if stalest == self.fullest or not replicator.refresh_pays(lag, n_context):
             return False
         await self._erased()
-        copied = await replicator.replicate(self.fullest, 1, self.slot_file, into=[stalest])
+        copied = await self._replicate(replicator, self.fullest, 1, into=[stalest])
         if copied:
             log.info("slot %d lagged by %d tokens: copied the context afresh", stalest, lag)
             self.saved_at = n_context
@@ -415,14 +446,28 @@ class SlotCopies:
             n_context - self.saved_at, copies, n_context
         )
         held = self.saved_at if reuse and self.saved_at is not None else n_context
-        copied = await replicator.replicate(
-            id_slot, copies, self.slot_file, keep=keep, save=not reuse
-        )
+        copied = await self._replicate(replicator, id_slot, copies, keep=keep, save=not reuse)
         if copied and not reuse:
             self.saved_at = n_context
         self._touch(copied)
         self.holds.update(dict.fromkeys(copied, held))
         return copied
+
+    async def _replicate(
+        self, replicator: SlotReplicator, id_slot: int, copies: int, **options: Any
+    ) -> list[int]:
+        """`replicator.replicate` into this generation's slot file, its times kept for
+        the round that waited for it (`take_copy_times`)."""
+        times = CopyTimes()
+        copied = await replicator.replicate(id_slot, copies, self.slot_file, times=times, **options)
+        if times.restored:
+            self.copy_times.append(times)
+        return copied
+
+    def take_copy_times(self) -> list[CopyTimes]:
+        """The copies made since the last call (the round log shows them)."""
+        taken, self.copy_times = self.copy_times, []
+        return taken
 
     def used(
         self, slots: Iterable[int], fullest: int, holds: Mapping[int, int] | None = None

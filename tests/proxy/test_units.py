@@ -577,6 +577,35 @@ async def test_a_passing_copy_failure_keeps_copies_on_and_counts_the_slots_resto
     assert not copies.replicator.available
 
 
+class SlowRestores(SlotServer):
+    """Each restore takes 20 ms; counts how many were in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = self.most_in_flight = 0
+
+    async def slot_action(self, id_slot, action, filename):
+        if action != "restore":
+            return await super().slot_action(id_slot, action, filename)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.02)
+        self.in_flight -= 1
+        return await super().slot_action(id_slot, action, filename)
+
+
+async def test_a_copy_sends_its_restores_at_once_after_the_save_and_keeps_their_times():
+    server = SlowRestores()
+    copies = slot_copies(server)
+    copies.used([0], fullest=0)
+    assert await copies.warm_for(4, 300) == "copied"
+    assert server.actions[0] == (0, "save") and server.most_in_flight == 3
+    assert sorted(server.actions[1:]) == [(1, "restore"), (2, "restore"), (3, "restore")]
+    [times] = copies.take_copy_times()
+    assert times.restored == 3 and 20 <= times.restore_ms < 55 and times.save_ms >= 0
+    assert copies.take_copy_times() == []  # taken once
+
+
 def copies_after_a_cold_fill(server: SlotServer, prefill_ms_per_token: float):
     """A 500-token prompt prefilled in slot 0 at the given rate; saves cost 0.15 ms a
     token (the caller copies it)."""
