@@ -78,7 +78,7 @@ def test_generations_part_the_first_round_and_its_copies_from_the_steady_speed(t
         if copies is not None:
             flags["copies"] = copies
         first = _line(0, 0, [513 - cached], 0, 40.0, **flags)
-        first = first.replace('500, 40.0]', f'{cached}, 40.0]')
+        first = first.replace("500, 40.0]", f"{cached}, 40.0]")
         # 10 rounds of 2 drafts, 2 accepted each (3 tokens a round), 20 ms each; 1 empty
         rest = [_line(i, 2, [1, 2, 3], 0, 15.0, n_accepted=2, round_ms=20.0) for i in range(1, 10)]
         rest.append(_line(10, 0, [1], 0, 9.0, n_accepted=0, round_ms=10.0))
@@ -88,7 +88,8 @@ def test_generations_part_the_first_round_and_its_copies_from_the_steady_speed(t
     warm = generation(512, 12.0, None)  # a log from before the `copies` field
     rows = summary.generations(summary.rounds_of(cold + warm))
     assert [(r["cached"], r["first_ms"], r["copies_ms"]) for r in rows] == [
-        (0, 180.0, 100.0), (512, 12.0, None)
+        (0, 180.0, 100.0),
+        (512, 12.0, None),
     ]
     assert all(r["rounds"] == 10 and r["empty"] == 1 and r["tokens"] == 28 for r in rows)
     assert rows[0]["tokens_per_s"] == 1e3 * 28 / 190.0
