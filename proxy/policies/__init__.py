@@ -114,20 +114,24 @@ class Policies:
         """A round ended: the draft-length policy and the plain-run gate learn from it
         (the gate only from rounds without other streams: it compares rates alone; and
         not from rounds sent at a length chosen to measure it, such as the first sweep's
-        k = 2 rounds that cross Strix Halo's 8-token edge). The gate also hears what a
-        free drafter could reach on the verify times measured so far."""
+        k = 2 rounds that cross Strix Halo's 8-token edge, nor from rounds that try the
+        other padding of a length). The gate also hears what a free drafter could reach
+        on the verify times measured so far."""
         # a round that sent no draft measured no length: the policy does not count it,
         # so its round index would stay "exploring" for as long as the drafter yields
         # nothing, and the gate would never see what such rounds cost (H200, 4k: a
         # request off the oracle's path ran ~100 one-prompt rounds at ~3 plain steps
         # each and the gate chose nothing)
         exploring = self.draft_length.exploring_now() and record.n_drafted > 0
-        self.draft_length.observe(record)
+        # a round padded otherwise than its length runs, to compare the two: what it
+        # cost is no length's cost and no speculation speed (like exploring, for the gate)
+        trial = self.padding.trial(record)
+        self.draft_length.observe(record, costs=not trial)
         gate = self.plain_runs
         if gate is not None and (self.slots is None or self.slots.alone()):
             # the ceiling only matters while speculation is the choice
             ceiling = None if gate.plain_chosen else self.draft_length.ceiling_ms_per_token()
-            gate.observe(record, exploring=exploring, ceiling_ms=ceiling)
+            gate.observe(record, exploring=exploring or trial, ceiling_ms=ceiling)
         self.padding.observe(record)
 
     def observe_generation(self, n_tokens: int) -> None:

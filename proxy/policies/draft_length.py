@@ -446,12 +446,14 @@ class DraftLengthPolicy:
                 return min(max(slope, 0.0), float(ms.max()))
         return _PRIOR_VERIFY_SLOPE_MS
 
-    def observe(self, record: RoundRecord) -> None:
+    def observe(self, record: RoundRecord, costs: bool = True) -> None:
         """A finished round. Only a steady verify round with the draft's p counts: a
         plain run has no draft, and the verify time of a first round (prefilling) or of
         one whose slots catch up (after plain runs, or copied for it) says nothing
         about the draft length, except where a fresh copy made its slots current before
-        it (`refreshed`: the copy's time is left out of the round's and the proxy's)."""
+        it (`refreshed`: the copy's time is left out of the round's and the proxy's).
+        `costs` False: its acceptance counts, its times do not (a round padded to
+        compare the shapes, `PaddingPolicy.trial`)."""
         probs = record.draft_probs
         n = len(probs)  # prompts - 1: what the verify time follows
         if self.exploring_now() and n and not (record.plain_run or record.first):
@@ -469,13 +471,14 @@ class DraftLengthPolicy:
         self._accepted = _ema(self._accepted, record.n_accepted)
         self._expected = _ema(self._expected, expected)
         self.calibration = min(max((self._accepted + 0.1) / (self._expected + 0.1), 0.05), 4.0)
-        if not record.refreshed:
+        if costs and not record.refreshed:
             self.round_ms = _ema(self.round_ms, record.round_ms)
             self.proxy_ms = _ema(self.proxy_ms, record.overhead_ms)
         self.tokens_per_round = _ema(self.tokens_per_round, record.n_committed)
         self.prompts_per_round = _ema(self.prompts_per_round, n + 1)
         self.draft_ms_per_token = _ema(self.draft_ms_per_token, record.draft_ms / n)
-        self._observe_verify(n, record.verify_ms)
+        if costs:
+            self._observe_verify(n, record.verify_ms)
         rejected = record.n_accepted < n
         weight = max(1.0 / (self.rounds + 1), _ACCEPT_ALPHA)  # a plain mean at first
         self._successes = _ema(self._successes, record.n_accepted, weight)

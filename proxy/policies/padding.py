@@ -162,6 +162,18 @@ class PaddingPolicy:
             return self.mode == "on"
         return self.lengths.setdefault(k, _Length()).decide()
 
+    def trial(self, record: RoundRecord) -> bool:
+        """Whether `record` was padded otherwise than its draft length now runs (a round
+        of a block sent to compare the two shapes; a length runs unpadded until padding
+        is chosen for it). Its verify time belongs to that comparison, not to what the
+        length costs: on an H100 a padded round of 5 drafts took 37-50 ms against 28-34
+        unpadded (docs/BENCHMARKS.md, "`--pad-rounds auto` end to end"). Ask before
+        `observe`, which may change the choice."""
+        if self.mode != "auto" or record.padded is None:
+            return False
+        length = self.lengths.get(record.n_drafted)
+        return record.padded != bool(length is not None and length.chosen)
+
     def observe(self, record: RoundRecord) -> None:
         """A round the engine could pad (`record.padded` not None), with its verify time."""
         if self.mode != "auto" or record.padded is None or record.catch_up:

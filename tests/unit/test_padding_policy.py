@@ -138,3 +138,28 @@ def test_the_shared_policies_hand_each_request_the_one_padding_policy():
     assert shared.padding.lengths[3].verify_n == {True: 1, False: 0}
     with pytest.raises(ValueError, match="pad mode"):
         PaddingPolicy("sometimes")  # type: ignore[arg-type]
+
+
+def test_a_round_padded_to_compare_teaches_the_draft_length_its_acceptance_not_its_cost():
+    """While padding is tried at a length, the padded rounds are trials (the length
+    runs unpadded); once padding is chosen, the unpadded retries are. A trial's verify
+    time stays out of what the draft-length policy takes the length to cost; its
+    acceptance counts."""
+    policies = SharedPolicies.build(4, pad_rounds="auto").for_request(None)
+    length = policies.draft_length
+
+    def observe(padded: bool, verify_ms: float) -> bool:
+        record = _record(padded, verify_ms=verify_ms, draft_probs=(0.8, 0.8, 0.8))
+        trial = policies.padding.trial(record)
+        policies.observe(record)
+        return trial
+
+    assert not observe(False, 20.0)
+    assert observe(True, 45.0)  # an H100's padded round of five drafts took 37-50 ms
+    assert length._by_length[3] == (20.0, 1) and length.rounds == 2
+    policies.padding.lengths[3].chosen = True
+    assert observe(False, 30.0) and not observe(True, 18.0)
+    assert length._by_length[3] == (19.0, 2) and length.rounds == 4
+    assert not PaddingPolicy("on").trial(_record(True)) and not policies.padding.trial(
+        _record(None)
+    )
