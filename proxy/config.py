@@ -76,6 +76,12 @@ class ProxySettings(BaseSettings):
         description="a generation restores the slot file it saved earlier, as it is, where "
         "the measured rates say a new save costs more than prefilling what the file lacks",
     )
+    copy_by_cost: bool = Field(
+        True,
+        description="copy a slot only where, at the measured save, restore and prefill "
+        "rates, the copy costs less than letting the slots prefill what they lack inside "
+        "the next verify batch (off: wherever they lack enough tokens)",
+    )
     clear_stale_copies: bool = Field(
         True,
         description="empty idle slots whose contents would slow every decode (unified KV "

@@ -179,6 +179,18 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
+        ("--copy-by-cost",),
+        {
+            "choices": ["on", "off"],
+            "dest": "copy_by_cost",
+            "help": "on: copy a slot only where, at the measured save, restore and prefill "
+            "rates, the copy costs less than letting the slots prefill what they lack "
+            "inside the next verify batch (a later chat turn whose slots hold most of it "
+            "prefills the rest); off: copy wherever the slots lack at least 64 tokens "
+            "(default: %(default)s)",
+        },
+    ),
+    (
         ("--clear-stale-copies",),
         {
             "choices": ["on", "off"],

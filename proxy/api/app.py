@@ -86,6 +86,7 @@ class ProxyState:
         self.replicator = SlotReplicator(
             self.upstream,
             reuse_files=settings.slot_file_reuse,
+            copy_by_cost=settings.copy_by_cost,
             clear_stale_copies=settings.clear_stale_copies,
         )
         self.drafters = (

@@ -40,10 +40,13 @@ class DecodeCounter:
         self._last = now
         return decodes, prompt_tokens
 
-    def check(self, decodes: int | None, round_index: int) -> None:
+    def check(self, decodes: int | None, round_index: int, catch_up: bool = False) -> None:
         """Warn (strict: raise) where verify round `round_index` took other than one
-        decode; the first round (index 0) may prefill in batches."""
-        if decodes is None or decodes == 1 or round_index == 0:
+        decode; the first round (index 0) may prefill in batches, and so may a round
+        whose slots catch up (`catch_up`): where a copy costs more than the prefill it
+        would spare, they prefill what they lack in it, which past the server's `-b`
+        is several decodes. Steady rounds still show a server that splits batches."""
+        if decodes is None or decodes == 1 or round_index == 0 or catch_up:
             return
         message = (
             f"[{self.request_id}] round {round_index} took {decodes} server "

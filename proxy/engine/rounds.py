@@ -419,10 +419,10 @@ class Rounds:
     async def _record(self, loop: LoopState, round_: _Round) -> None:
         """The round's record, checked (one server decode) and observed."""
         decodes, prompt_tokens = await self.decodes.round_delta()
-        self.decodes.check(decodes, len(loop.rounds))
         # a round whose slots caught up is no steady round: the gate took such rounds
         # for speculation speed and chose plain runs
         slots_lagged = round_.lagged
+        self.decodes.check(decodes, len(loop.rounds), catch_up=slots_lagged or round_.copied)
         # a round ends where the next one, sent ahead, started: its own tail overlapped
         # that one's verification
         after = round_.next

@@ -49,15 +49,18 @@ class SlotReplicator:
         min_prompt: int = 64,
         reuse_files: bool = True,
         clear_stale_copies: bool = True,
+        copy_by_cost: bool = True,
     ) -> None:
         self.upstream = upstream
         self.min_prompt = min_prompt  # shorter prompts prefill in the batch just as well
         self.reuse_files = reuse_files  # False: every copy saves anew (`--slot-file-reuse`)
         self.clear_stale_copies = clear_stale_copies  # `--clear-stale-copies`
+        self.copy_by_cost = copy_by_cost  # False: `copy_pays` always (`--copy-by-cost`)
         self.available = True  # False once the server refused (no --slot-save-path)
         # measured on this server, per context token: a slot save (the server's own
         # timing) and a one-slot prefill (a first round's); None until measured
         self.save_ms_per_token: float | None = None
+        self.restore_ms_per_token: float | None = None  # (the server's timing too)
         self.prefill_ms_per_token: float | None = None
         # copies that ended generations left in slots, by slot: that generation's
         # context (a copy holds it or a prefix of it) and how many of its tokens the
@@ -90,6 +93,23 @@ class SlotReplicator:
         if not self.reuse_files or save is None or prefill is None or gap < 0:
             return False
         return gap * copies * prefill < n_context * save
+
+    def copy_pays(self, lag: int, copies: int, n_context: int, restore_only: bool = False) -> bool:
+        """Whether copying `n_context` tokens (a save, unless `restore_only`, and a
+        restore into each of `copies` slots) costs less than letting those slots
+        prefill the `lag` tokens they lack inside the next verify batch. A cold start
+        lags by the whole context and copies wherever a save and a restore cost less
+        than a prefill; a later turn whose slots hold most of the conversation may not:
+        on an H100, slots that lagged ~300 tokens of a 934-token chat were copied for
+        377 ms where prefilling the 300 in three slots takes ~100 (docs/BENCHMARKS.md,
+        "`--pad-rounds auto` end to end"). On Strix Halo's Vulkan a prefill past the
+        8-token edge costs ~4 ms a token and copies win. Unmeasured rates: copy."""
+        save, restore = self.save_ms_per_token, self.restore_ms_per_token
+        prefill = self.prefill_ms_per_token
+        if not self.copy_by_cost or save is None or restore is None or prefill is None:
+            return True
+        copy_ms = (0.0 if restore_only else n_context * save) + copies * n_context * restore
+        return copy_ms < copies * lag * prefill
 
     def refresh_pays(self, lag: int, n_context: int) -> bool:
         """Whether a slot that lags the context by `lag` tokens should get a fresh copy
@@ -143,6 +163,9 @@ class SlotReplicator:
             restored = [
                 t for t, a in zip(targets, answers, strict=True) if not isinstance(a, BaseException)
             ]
+            for answer in answers:
+                if isinstance(answer, dict):
+                    self._observe_restore(answer)
             if times is not None:
                 times.save_ms = (saved - started) * 1e3 if save else 0.0
                 times.restore_ms = (time.perf_counter() - saved) * 1e3
@@ -159,6 +182,15 @@ class SlotReplicator:
                 self.available = False
                 log.warning("slot save/restore unavailable (%s); prefilling in the batch", exc)
         return restored
+
+    def _observe_restore(self, answer: dict[str, Any]) -> None:
+        """The server's own timing of a restore (`timings.restore_ms` over `n_restored`)."""
+        n_restored = answer.get("n_restored")
+        restore_ms = (answer.get("timings") or {}).get("restore_ms")
+        if isinstance(n_restored, int) and n_restored >= self.min_prompt and restore_ms is not None:
+            self.restore_ms_per_token = running_mean(
+                self.restore_ms_per_token, float(restore_ms) / n_restored, _RATE_ALPHA
+            )
 
     def _observe_save(self, answer: dict[str, Any]) -> None:
         """The server's own timing of a save (`timings.save_ms` over `n_saved`)."""
@@ -429,8 +461,10 @@ class SlotCopies:
         self, id_slot: int, copies: int, lag: int, n_context: int, keep: Collection[int] = ()
     ) -> list[int]:
         """Copy `id_slot` (holding about `n_context` tokens) into up to `copies` other
-        slots (none of `keep`) where copying is on and the slots to fill lag by enough
-        tokens to be worth it; they count as touched. Where this generation saved the
+        slots (none of `keep`) where copying is on, the slots to fill lag by enough
+        tokens to be worth it and, at the measured rates, the copy costs less than the
+        prefill it spares them (`SlotReplicator.copy_pays`); they count as touched.
+        Where this generation saved the
         slot file before and the measured rates say so, the file is restored as it is
         and the slots prefill what it lacks in the next batch: a second save of a long
         context costs more than that (`SlotReplicator.reuse_pays`)."""
@@ -446,6 +480,10 @@ class SlotCopies:
             n_context - self.saved_at, copies, n_context
         )
         held = self.saved_at if reuse and self.saved_at is not None else n_context
+        # what the copies spare the slots: the lag, less what a reused file lacks
+        spared = lag - (n_context - held)
+        if spared <= 0 or not replicator.copy_pays(spared, copies, held, restore_only=reuse):
+            return []
         copied = await self._replicate(replicator, id_slot, copies, keep=keep, save=not reuse)
         if copied and not reuse:
             self.saved_at = n_context

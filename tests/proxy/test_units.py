@@ -504,6 +504,7 @@ class SlotServer:
         self.fail_on = fail_on
         self.n_saved = 300  # tokens a save reports
         self.save_ms_per_token = 0.15  # what it reports a save took (the H200's rate)
+        self.restore_ms_per_token: float | None = None  # None: restores report no timing
 
     async def slots(self):
         return [{"id": i, "is_processing": i == 5} for i in range(7)]
@@ -517,6 +518,12 @@ class SlotServer:
                 "id_slot": id_slot,
                 "n_saved": self.n_saved,
                 "timings": {"save_ms": self.save_ms_per_token * self.n_saved},
+            }
+        if action == "restore" and self.restore_ms_per_token is not None:
+            return {
+                "id_slot": id_slot,
+                "n_restored": self.n_saved,
+                "timings": {"restore_ms": self.restore_ms_per_token * self.n_saved},
             }
         return {}
 
@@ -604,6 +611,39 @@ async def test_a_copy_sends_its_restores_at_once_after_the_save_and_keeps_their_
     [times] = copies.take_copy_times()
     assert times.restored == 3 and 20 <= times.restore_ms < 55 and times.save_ms >= 0
     assert copies.take_copy_times() == []  # taken once
+
+
+async def test_copies_only_where_they_cost_less_than_the_prefill_they_spare():
+    """The H200's rates (server timings: a save 0.095 ms a token, a restore 0.029, a
+    one-slot prefill 0.072). A cold 512-token start copies into three slots (93 ms
+    against 111 ms of prefill); a later turn whose slots lack 299 of 934 tokens lets
+    them prefill those (65 ms) rather than copy (170 ms), and so does a cold start that
+    needs one slot only (64 ms against 37)."""
+    from proxy.engine import SlotReplicator
+    from proxy.engine.slot_copies import SlotCopies
+
+    server = SlotServer()
+    server.save_ms_per_token, server.restore_ms_per_token = 0.095, 0.029
+    replicator = SlotReplicator(server, min_prompt=64)
+
+    async def first_round(n_prompt: int, n_cached: int, slots: int) -> list:
+        copies = SlotCopies(replicator, "f.bin", n_prompt, lambda: slots)
+        copies.observe_first_round(
+            server_ms=0.072 * (n_prompt - n_cached), n_fresh=n_prompt - n_cached
+        )
+        before = len(server.actions)
+        await copies.after_first_round(0, n_cached=n_cached)
+        return server.actions[before:]
+
+    # rates not yet measured: the first cold start copies, and measures them
+    assert len(
+        await first_round(512, 0, 3)
+    ) == 4 and replicator.restore_ms_per_token == pytest.approx(0.029)
+    assert [a for _, a in await first_round(512, 0, 3)] == ["save"] + ["restore"] * 3
+    assert await first_round(934, 635, 3) == []
+    assert await first_round(512, 0, 1) == []
+    replicator.copy_by_cost = False  # `--copy-by-cost off`: wherever 64 tokens are missing
+    assert len(await first_round(934, 635, 3)) == 4
 
 
 def copies_after_a_cold_fill(server: SlotServer, prefill_ms_per_token: float):
@@ -897,3 +937,16 @@ async def test_keep_latest_empties_idle_contexts_but_the_latest_and_those_in_use
     assert sorted(await replicator.keep_latest()) == [0, 2, 6]  # not 1, 3 (empty), 4, 5
     replicator.clear_stale_copies = False
     assert await replicator.keep_latest() == []
+
+
+def test_the_decode_check_lets_first_and_catch_up_rounds_prefill_in_several_decodes():
+    """A catch-up round may prefill hundreds of tokens per slot where copies cost more
+    (past the server's -b: several decodes); a steady round must take one."""
+    from proxy.engine.decode_check import DecodeCounter, DecodeCountError
+
+    counter = DecodeCounter(upstream=None, check=True, strict=True, request_id="r")  # type: ignore[arg-type]
+    counter.check(3, 0)
+    counter.check(2, 1, catch_up=True)
+    counter.check(1, 2)
+    with pytest.raises(DecodeCountError, match="round 3 took 2 server decodes"):
+        counter.check(2, 3)
