@@ -81,6 +81,9 @@
 #           the 3-turn chats always speculating with auto; the 512 single turns over all
 #           8 prompts with the defaults; beside them the Strix Halo 14B (cores 8-11) and
 #           32B (12-15) 3-turn chats with the defaults
+#   s30     s29 again for an H200 (s29 got an H100): the same A/B beside llama.cpp's
+#           drafting; the 3-turn chats with --copy-by-cost on and off; the 512 single turns
+#           with the defaults; beside them the Strix Halo 14B 3-turn chats alone on 8-15
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -586,6 +589,18 @@ case "$STAGE" in
     single8_defaults 512
     wait
     grep -v "INFO proxy" /tmp/emu-a.log /tmp/emu-b.log
+    ;;
+  s30)  # s29 for an H200, with --copy-by-cost on against off in the chats (see the list above)
+    bash scripts/h200_regime_run.sh start
+    strix14 . 8-15 chat-s30 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
+    BUILTIN=1 spec_ab auto 'auto=' 'off=--pad-rounds off'
+    python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    spec_chats 'cost=' 'always=--copy-by-cost off'
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-chats-*.log || true
+    single8_defaults 512
+    wait
+    grep -v "INFO proxy" /tmp/emu-a.log
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources
