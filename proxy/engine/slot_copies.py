@@ -185,21 +185,24 @@ class SlotReplicator:
 
     def _observe_restore(self, answer: dict[str, Any]) -> None:
         """The server's own timing of a restore (`timings.restore_ms` over `n_restored`)."""
-        n_restored = answer.get("n_restored")
-        restore_ms = (answer.get("timings") or {}).get("restore_ms")
-        if isinstance(n_restored, int) and n_restored >= self.min_prompt and restore_ms is not None:
-            self.restore_ms_per_token = running_mean(
-                self.restore_ms_per_token, float(restore_ms) / n_restored, _RATE_ALPHA
-            )
+        self.restore_ms_per_token = self._rate(
+            self.restore_ms_per_token, answer, "n_restored", "restore_ms"
+        )
 
     def _observe_save(self, answer: dict[str, Any]) -> None:
         """The server's own timing of a save (`timings.save_ms` over `n_saved`)."""
-        n_saved = answer.get("n_saved")
-        save_ms = (answer.get("timings") or {}).get("save_ms")
-        if isinstance(n_saved, int) and n_saved >= self.min_prompt and save_ms is not None:
-            self.save_ms_per_token = running_mean(
-                self.save_ms_per_token, float(save_ms) / n_saved, _RATE_ALPHA
-            )
+        self.save_ms_per_token = self._rate(self.save_ms_per_token, answer, "n_saved", "save_ms")
+
+    def _rate(
+        self, rate: float | None, answer: dict[str, Any], count_key: str, ms_key: str
+    ) -> float | None:
+        """`rate` (ms a token) moved toward what a slot action's answer reports, where it
+        moved enough tokens to say."""
+        count = answer.get(count_key)
+        ms = (answer.get("timings") or {}).get(ms_key)
+        if isinstance(count, int) and count >= self.min_prompt and ms is not None:
+            return running_mean(rate, float(ms) / count, _RATE_ALPHA)
+        return rate
 
     async def clear_stale(self, prompt: Sequence[int]) -> list[int]:
         """Before a generation's first prefill: empty the idle slots holding copies that
