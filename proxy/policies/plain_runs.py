@@ -361,10 +361,18 @@ class PlainRunGate:
         if record.first:
             self._cold_pending = record.overhead_ms
         elif record.catch_up and self._cold_pending is not None:
-            self._cold_pending += record.overhead_ms
+            self._cold_pending += max(record.overhead_ms, self._catch_up_excess(record))
         elif not exploring and self._cold_pending is not None:
             self.cold_ms = running_mean(self.cold_ms, self._cold_pending, _COLD_ALPHA)
             self._cold_pending = None
+
+    def _catch_up_excess(self, record: RoundRecord) -> float:
+        """What a catch-up round cost beyond a steady round committing as many tokens
+        (0 before any steady round): where no copy was worth making, its slots prefilled
+        what they lacked inside its batch, and that is part of the cold cost as a copy's
+        time in the proxy's overhead is (`SlotReplicator.copy_pays`)."""
+        rate = self._spec.ms_per_token
+        return 0.0 if rate is None else record.round_ms - record.n_committed * rate
 
     def observe_request(self, n_tokens: int) -> None:
         """A request served by the engine ended after writing `n_tokens`."""

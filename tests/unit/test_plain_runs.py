@@ -415,6 +415,20 @@ def test_a_cold_requests_slot_fill_is_charged_to_speculation_over_a_requests_len
     assert not no_fill.plain_chosen
 
 
+def test_a_catch_up_round_that_prefilled_what_no_copy_was_made_for_counts_as_cold_cost():
+    """A later request whose slots lag by more than a copy is worth (`copy_pays`)
+    prefills what they lack inside its catch-up round: 150 ms for 3 tokens where steady
+    rounds take 9.5 ms a token. The 121.5 ms beyond a steady round are its cold cost, as
+    a copy's time in the proxy's overhead would have been."""
+    gate = PlainRunGate("auto", run_tokens=16)
+    begin(gate, plain_ms_per_token=9.6)
+    speculate(gate, MIN_SPEC_ROUNDS, ms_per_token=9.5)
+    gate.observe(replace(steady(30.0, 1), first=True, overhead_ms=5.0))
+    gate.observe(replace(catch_up(150.0, 3), overhead_ms=2.0))
+    speculate(gate, 1, ms_per_token=9.5)
+    assert gate.cold_ms == pytest.approx(5.0 + 150.0 - 3 * 9.5)
+
+
 class FixedModel:
     """A cost model whose speedup is `factor` at any acceptance (the drafter-length
     policy's role): the rounds measured acceptance 0.5."""
