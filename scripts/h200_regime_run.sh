@@ -82,7 +82,8 @@
 #           8 prompts with the defaults; beside them the Strix Halo 14B (cores 8-11) and
 #           32B (12-15) 3-turn chats with the defaults
 #   s30     s29 again for an H200 (s29 got an H100): the same A/B beside llama.cpp's
-#           drafting; the 3-turn chats with --copy-by-cost on and off; the 512 single turns
+#           drafting, the oracle following second flips (--oracle-sub-branches 2); the
+#           3-turn chats with --copy-by-cost on and off; the 512 single turns
 #           with the defaults; beside them the Strix Halo 14B 3-turn chats alone on 8-15
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
@@ -157,7 +158,8 @@ exact_gen_lru() {  # always speculating, gen-lru at 512, 2 repeats, checked exac
 spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --proxy-variant
   # gets --plain-runs off --log-rounds), the PROMPTS at 512, checked exactly (cores 0-7);
   # each round's line from the proxies' logs to $OUT. BUILTIN=1: llama.cpp's own
-  # drafting beside them (the fair builtin: the 0.6B-shape draft on the GPU, k = 6)
+  # drafting beside them (the fair builtin: the 0.6B-shape draft on the GPU, k = 6);
+  # SUB_BRANCHES=N: the oracle also follows N second flips per branch
   local name="$1" prompts="$2" repeats="$3"; shift 3
   local variants=() modes=(--modes plain,oracle)
   for v in "$@"; do variants+=(--proxy-variant "${v%%=*}=--plain-runs off --log-rounds ${v#*=}"); done
@@ -166,6 +168,7 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
   taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
     --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids "$prompts" \
     "${modes[@]}" -k 6 --repeats "$repeats" --ceiling-ks 1,2,3,4,6 \
+    --oracle-sub-branches "${SUB_BRANCHES:-0}" \
     --oracle-acceptance 0.77 --oracle-delay-steps 0.12 "${variants[@]}" --exact-check all \
     --work-dir "/tmp/spec-$name" -o "$OUT/h200-spec-$name.json" | tail -25 \
     || echo "spec $name FAILED"
@@ -593,7 +596,7 @@ case "$STAGE" in
   s30)  # s29 for an H200, with --copy-by-cost on against off in the chats (see the list above)
     bash scripts/h200_regime_run.sh start
     strix14 . 8-15 chat-s30 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
-    BUILTIN=1 spec_ab auto 'auto=' 'off=--pad-rounds off'
+    BUILTIN=1 SUB_BRANCHES=2 spec_ab auto 'auto=' 'off=--pad-rounds off'
     python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
     spec_chats 'cost=' 'always=--copy-by-cost off'

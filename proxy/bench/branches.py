@@ -30,9 +30,10 @@ DEFAULT_BRANCHES = 4
 
 @dataclass(frozen=True)
 class BranchPoint:
-    position: int  # index into the continuation
+    position: int  # index into the continuation (a sub-branch: into its branch's)
     runner_up: int
     gap: float  # top-2 logit gap there
+    within: int | None = None  # a sub-branch: where the branch it leaves forks
 
 
 async def greedy_top2(
@@ -73,9 +74,13 @@ def pick_branch_points(
 async def record_branches(
     session: aiohttp.ClientSession, base_url: str, prompt: Sequence[int],
     continuation: Sequence[int], n_predict: int, margin: float, limit: int,
+    sub_limit: int = 0,
 ) -> tuple[list[Branch], list[BranchPoint]]:  # fmt: skip
     """The branches of one reference (`continuation`: its plain greedy output of
-    `n_predict` tokens at most) and the points they leave it at."""
+    `n_predict` tokens at most) and the points they leave it at. `sub_limit`: also, per
+    branch, the continuations after the runner-up at its own closest near-ties (a run
+    that flips a second tie stays on a recorded path), listed after the branches as
+    branches of the reference that share their branch's fork (points with `within`)."""
     probed, top2 = await greedy_top2(session, base_url, prompt, n_predict)
     # positions where the probe wrote the reference (the same server: all, normally)
     same = next(
@@ -85,10 +90,20 @@ async def record_branches(
     if same < len(continuation):
         log.warning("near-tie probe left the reference at %d of %d", same, len(continuation))
     points = pick_branch_points(continuation[:same], top2, margin, limit)
-    branches = []
+    branches, subs, sub_points = [], [], []
     for point in points:
         left = n_predict - point.position - 1  # the branch ends where the reference would
         context = [*prompt, *continuation[: point.position], point.runner_up]
         after = await exact_tokens(session, base_url, context, left) if left > 0 else []
         branches.append(Branch(point.position, point.runner_up, tuple(after)))
-    return branches, points
+        if sub_limit <= 0 or not after:
+            continue
+        _, top2 = await greedy_top2(session, base_url, context, len(after))
+        for sub in pick_branch_points(after, top2, margin, sub_limit):
+            rest = left - sub.position - 1
+            fork = [*context, *after[: sub.position], sub.runner_up]
+            tail = await exact_tokens(session, base_url, fork, rest) if rest > 0 else []
+            path = (*after[: sub.position], sub.runner_up, *tail)
+            subs.append(Branch(point.position, point.runner_up, path))
+            sub_points.append(BranchPoint(sub.position, sub.runner_up, sub.gap, point.position))
+    return [*branches, *subs], [*points, *sub_points]

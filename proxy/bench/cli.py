@@ -153,6 +153,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "follows a flipped tie; one plain request each, before any measurement (0: none)",
     )
     parser.add_argument(
+        "--oracle-sub-branches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="per recorded branch, also its N closest near-ties' continuations, so the "
+        "oracle follows a run that flips a second tie (two plain requests each and one "
+        "more per branch; default 0: none)",
+    )
+    parser.add_argument(
         "--branch-margin",
         type=float,
         default=NEAR_TIE_LOGIT_GAP,
@@ -302,6 +311,7 @@ def options_from_args(args: argparse.Namespace):
         oracle_seed=args.oracle_seed,
         oracle_runner_up_hits=args.oracle_runner_up_hits,
         oracle_branches=args.oracle_branches,
+        oracle_sub_branches=args.oracle_sub_branches,
         branch_margin=args.branch_margin,
         llama_server=llama_server,
         work_dir=args.work_dir,

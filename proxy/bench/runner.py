@@ -153,6 +153,7 @@ class BenchOptions:
     # near-tie branches the oracle may follow, per reference (the smallest gaps; 0: none),
     # and the top-2 logit gap under which a position counts (see proxy.bench.branches)
     oracle_branches: int = DEFAULT_BRANCHES
+    oracle_sub_branches: int = 0  # per branch, its own near-tie branches
     branch_margin: float = NEAR_TIE_LOGIT_GAP
 
 
@@ -348,7 +349,8 @@ class BenchSession:
                          "n_stream_tokens": len(done.tokens),
                          "branches": [
                              {"position": p.position, "runner_up": p.runner_up, "gap": p.gap,
-                              "n_generated": len(b.continuation)}
+                              "n_generated": len(b.continuation),
+                              **({} if p.within is None else {"within": p.within})}
                              for p, b in zip(points, branches, strict=True)
                          ]}
                     )  # fmt: skip
@@ -392,7 +394,7 @@ class BenchSession:
         try:
             branches, points = await record_branches(
                 session, server.base_url, turn.tokens, exact, o.n_predict, o.branch_margin,
-                o.oracle_branches,
+                o.oracle_branches, o.oracle_sub_branches,
             )  # fmt: skip
         except (aiohttp.ClientError, RuntimeError, KeyError, TypeError) as exc:
             log.exception("ctx %s: recording the branches of %s failed", context, turn.id)

@@ -85,3 +85,51 @@ async def test_reference_phase_records_what_llama_server_writes_after_each_runne
     paths = model.references[0].branches
     assert [p.fork for p in paths] == [b.position for b in plain.branches]
     assert [p.continuation[p.fork + 1 :] for p in paths] == [b.continuation for b in plain.branches]
+
+
+@pytest.mark.server
+@pytest.mark.slow
+async def test_sub_branches_record_what_llama_server_writes_after_a_branchs_own_runner_up(
+    llama_server_bin: Path, demo_models: Path, start_server, tmp_path: Path
+) -> None:
+    n_predict = 10
+    options = BenchOptions(
+        target=demo_models / "target.gguf",
+        modes=["plain", "oracle"],
+        n_predict=n_predict,
+        prompt_ids=["chat-explain"],
+        threads=int(SERVER_THREADS),
+        llama_server=llama_server_bin,
+        work_dir=tmp_path,
+        ceiling_ks=[],
+        oracle_branches=2,
+        oracle_sub_branches=1,
+        branch_margin=1e9,  # every position counts, the closest first
+    )
+    bench = BenchSession(options)
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        prompts, outputs = await bench._reference_phase(session, None)
+        (prompt,) = prompts
+        plain = outputs[prompt.id]
+        first, subs = plain.branches[:2], plain.branches[2:]
+        assert len(subs) == 2  # one per branch (each has tokens after its fork)
+        url = (await start_server(demo_models / "target.gguf")).base_url
+        (record,) = bench.references
+        for parent, sub, entry in zip(first, subs, record["branches"][2:], strict=True):
+            # a sub-branch leaves the reference where its branch does, then its branch
+            assert (sub.position, sub.token) == (parent.position, parent.token)
+            q = entry["position"]
+            assert entry["within"] == parent.position and 0 <= q < len(parent.continuation)
+            assert sub.continuation[:q] == parent.continuation[:q]
+            assert sub.continuation[q] != parent.continuation[q]
+            fork = [*prompt.tokens, *plain.tokens[: parent.position], parent.token,
+                    *sub.continuation[: q + 1]]  # fmt: skip
+            left = n_predict - parent.position - 1 - q - 1
+            assert list(sub.continuation[q + 1 :]) == (
+                await exact_tokens(session, url, fork, left) if left > 0 else []
+            )
+    assert all("within" not in b for b in record["branches"][:2])
+    folders = bench._oracle_folders(None, prompts, outputs, [(None, 0.0)])
+    model = OracleDraftModel.from_folder(next(iter(folders.values())))
+    assert [p.fork for p in model.references[0].branches] == [b.position for b in plain.branches]

@@ -209,6 +209,29 @@ def test_a_flip_at_a_branch_point_is_followed() -> None:
     assert sum(n == 0 for n in _follow(bare, prompt, branch_truth, k=3)) > 20
 
 
+def test_a_second_flip_inside_a_branch_is_followed_by_its_sub_branch() -> None:
+    """A sub-branch (`--oracle-sub-branches`) is a branch of the reference that shares
+    its branch's fork and leaves it later: a run that flips there stays on a path."""
+    model, branch_truth = _branched(1.0, fork=30)
+    ref = model.references[0]
+    prompt = list(ref.prompt)
+    branch = Branch(30, branch_truth[30], tuple(branch_truth[31:]))
+    q = 20  # into the branch's continuation
+    rng = np.random.default_rng(11)
+    tail = rng.integers(0, VOCAB, len(branch.continuation) - q - 1).tolist()
+    sub_after = (*branch.continuation[:q], (branch.continuation[q] + 1) % VOCAB, *tail)
+    sub = Branch(30, branch.token, sub_after)
+    twice = [*branch_truth[:30], branch.token, *sub_after]
+    with_sub = OracleDraftModel([(prompt, ref.continuation, [branch, sub])], model.config)
+    assert all(n > 0 for n in _follow(with_sub, prompt, twice, k=3)[:-1])
+    # without it, the run falls off every path at the second flip
+    assert sum(n == 0 for n in _follow(model, prompt, twice, k=3)) > 20
+    # and a run on the branch still drafts the branch's token at the second tie
+    session = with_sub.open_session()
+    session.sync([*prompt, *branch_truth[: 31 + q]])
+    assert session.propose(1).tokens == [branch.continuation[q]]
+
+
 def test_the_reference_owns_the_sequence_up_to_the_branch_point() -> None:
     model, branch_truth = _branched(1.0, fork=30)
     ref = model.references[0]
