@@ -34,12 +34,10 @@ def test_branch_points_are_the_closest_ties_under_the_margin() -> None:
     assert [p.position for p in pick_branch_points(continuation, top2, 1.0, 10)] == [1, 4, 0, 2]
 
 
-@pytest.mark.server
-@pytest.mark.slow
-async def test_reference_phase_records_what_llama_server_writes_after_each_runner_up(
-    llama_server_bin: Path, demo_models: Path, start_server, tmp_path: Path
-) -> None:
-    n_predict, n_branches = 12, 3
+def _branching_bench(
+    llama_server_bin: Path, demo_models: Path, tmp_path: Path, n_predict: int, **branching
+) -> BenchSession:
+    """A plain-and-oracle bench of one prompt on the demo target, recording branches."""
     options = BenchOptions(
         target=demo_models / "target.gguf",
         modes=["plain", "oracle"],
@@ -49,11 +47,22 @@ async def test_reference_phase_records_what_llama_server_writes_after_each_runne
         llama_server=llama_server_bin,
         work_dir=tmp_path,
         ceiling_ks=[],
-        oracle_branches=n_branches,
         # near-ties are rare on the tiny model: every position counts, the closest first
         branch_margin=1e9,
+        **branching,
     )
-    bench = BenchSession(options)
+    return BenchSession(options)
+
+
+@pytest.mark.server
+@pytest.mark.slow
+async def test_reference_phase_records_what_llama_server_writes_after_each_runner_up(
+    llama_server_bin: Path, demo_models: Path, start_server, tmp_path: Path
+) -> None:
+    n_predict, n_branches = 12, 3
+    bench = _branching_bench(
+        llama_server_bin, demo_models, tmp_path, n_predict, oracle_branches=n_branches
+    )
     # a fresh connection per request, as the bench has: llama-server may close one
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -93,20 +102,10 @@ async def test_sub_branches_record_what_llama_server_writes_after_a_branchs_own_
     llama_server_bin: Path, demo_models: Path, start_server, tmp_path: Path
 ) -> None:
     n_predict = 10
-    options = BenchOptions(
-        target=demo_models / "target.gguf",
-        modes=["plain", "oracle"],
-        n_predict=n_predict,
-        prompt_ids=["chat-explain"],
-        threads=int(SERVER_THREADS),
-        llama_server=llama_server_bin,
-        work_dir=tmp_path,
-        ceiling_ks=[],
-        oracle_branches=2,
+    bench = _branching_bench(
+        llama_server_bin, demo_models, tmp_path, n_predict, oracle_branches=2,
         oracle_sub_branches=1,
-        branch_margin=1e9,  # every position counts, the closest first
-    )
-    bench = BenchSession(options)
+    )  # fmt: skip
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as session:
         prompts, outputs = await bench._reference_phase(session, None)
