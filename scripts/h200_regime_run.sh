@@ -593,13 +593,14 @@ case "$STAGE" in
     wait
     grep -v "INFO proxy" /tmp/emu-a.log /tmp/emu-b.log
     ;;
-  s30)  # s29 for an H200, with --copy-by-cost on against off in the chats (see the list above)
+  s30)  # s29 again with copy-by-cost and the trial fix; the chats by cost only (always
+        # copying is s29's chats row), to fit a session that lost device time to failed starts
     bash scripts/h200_regime_run.sh start
     strix14 . 8-15 chat-s30 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
     BUILTIN=1 SUB_BRANCHES=2 spec_ab auto 'auto=' 'off=--pad-rounds off'
     python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
-    spec_chats 'cost=' 'always=--copy-by-cost off'
+    spec_chats 'cost='
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-chats-*.log || true
     single8_defaults 512
     wait
