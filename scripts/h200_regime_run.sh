@@ -83,7 +83,7 @@
 #           32B (12-15) 3-turn chats with the defaults
 #   s30     s29 again for an H200 (s29 got an H100): the same A/B beside llama.cpp's
 #           drafting, the oracle following second flips (--oracle-sub-branches 2); the
-#           3-turn chats with --copy-by-cost on and off; the 512 single turns
+#           3-turn chats by cost (always copying: s29's row); the 512 single turns
 #           with the defaults; beside them the Strix Halo 14B 3-turn chats alone on 8-15
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
