@@ -85,6 +85,7 @@
 #           drafting, the oracle following second flips (--oracle-sub-branches 2); the
 #           3-turn chats by cost (always copying: s29's row); the 512 single turns
 #           with the defaults; beside them the Strix Halo 14B 3-turn chats alone on 8-15
+#   s30a    s30's A/B, then its chats, nothing beside them
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -605,6 +606,14 @@ case "$STAGE" in
     single8_defaults 512
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
+    ;;
+  s30a)  # s30's A/B alone, then its chats: for a session left with ~900 s of device time
+    bash scripts/h200_regime_run.sh start
+    BUILTIN=1 SUB_BRANCHES=2 spec_ab auto 'auto=' 'off=--pad-rounds off'
+    python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    spec_chats 'cost='
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-chats-*.log || true
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources
