@@ -86,6 +86,7 @@
 #           3-turn chats by cost (always copying: s29's row); the 512 single turns
 #           with the defaults; beside them the Strix Halo 14B 3-turn chats alone on 8-15
 #   s30a    s30's A/B, then its chats, nothing beside them
+#   s30b    s30's A/B alone, without llama.cpp's drafting or second flips
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -614,6 +615,12 @@ case "$STAGE" in
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
     spec_chats 'cost='
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-chats-*.log || true
+    ;;
+  s30b)  # s30's A/B alone, without llama.cpp's drafting or second flips (~360 s)
+    bash scripts/h200_regime_run.sh start
+    spec_ab auto 'auto=' 'off=--pad-rounds off'
+    python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources
