@@ -87,6 +87,7 @@
 #           with the defaults; beside them the Strix Halo 14B 3-turn chats alone on 8-15
 #   s30a    s30's A/B, then its chats, nothing beside them
 #   s30b    s30's A/B alone, without llama.cpp's drafting or second flips
+#   s30c    the cold fill alone: one always-speculating run of gen-lru and chat-travel
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -621,6 +622,12 @@ case "$STAGE" in
     spec_ab auto 'auto=' 'off=--pad-rounds off'
     python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    ;;
+  s30c)  # the cold fill alone: one always-speculating run of two prompts, its rounds'
+         # copies and the rate after them (--generations; ~300 s with the start)
+    bash scripts/h200_regime_run.sh start
+    spec_cells fill gen-lru,chat-travel 1 'auto='
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-fill-*.log || true
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources
