@@ -181,6 +181,15 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
 }
 spec_gen_lru() { spec_cells "$1" gen-lru 3 "${@:2}"; }  # NAME VARIANTS...
 spec_ab() { spec_cells "$1" gen-lru,chat-travel 2 "${@:2}"; }  # NAME VARIANTS...
+ab_summaries() {  # after `spec_ab auto 'auto=' 'off=...'`: what auto chose to pad, each
+  # generation's first round and rate, and the cold fill against plain per variant
+  python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
+  python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+  for v in auto off; do
+    python3 scripts/round_log_summary.py --fill "$OUT/h200-spec-auto.json" \
+      "$OUT"/rounds-auto-*-"$v".log || true
+  done
+}
 spec_chats() {  # VARIANTS...: always speculating, 3-turn chats of gen-lru and chat-travel
   # at 512, rounds logged (cores 0-7)
   local variants=()
@@ -601,8 +610,7 @@ case "$STAGE" in
     bash scripts/h200_regime_run.sh start
     strix14 . 8-15 chat-s30 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
     BUILTIN=1 SUB_BRANCHES=2 spec_ab auto 'auto=' 'off=--pad-rounds off'
-    python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
-    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    ab_summaries
     spec_chats 'cost='
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-chats-*.log || true
     single8_defaults 512
@@ -612,22 +620,21 @@ case "$STAGE" in
   s30a)  # s30's A/B alone, then its chats: for a session left with ~900 s of device time
     bash scripts/h200_regime_run.sh start
     BUILTIN=1 SUB_BRANCHES=2 spec_ab auto 'auto=' 'off=--pad-rounds off'
-    python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
-    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    ab_summaries
     spec_chats 'cost='
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-chats-*.log || true
     ;;
   s30b)  # s30's A/B alone, without llama.cpp's drafting or second flips (~360 s)
     bash scripts/h200_regime_run.sh start
     spec_ab auto 'auto=' 'off=--pad-rounds off'
-    python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
-    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    ab_summaries
     ;;
   s30c)  # the cold fill alone: one always-speculating run of two prompts, its rounds'
          # copies and the rate after them (--generations; ~300 s with the start)
     bash scripts/h200_regime_run.sh start
     spec_cells fill gen-lru,chat-travel 1 'auto='
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-fill-*.log || true
+    python3 scripts/round_log_summary.py --fill "$OUT/h200-spec-fill.json" "$OUT"/rounds-fill-*.log || true
     ;;
   strix14)  # TREE CORES NAME OPTIONS...: one Strix Halo 14B cell (install_sources first)
     install_sources

@@ -6,6 +6,7 @@ batch sizes (the real prompts' tokens plus the pad's) and the server's median ms
     python scripts/round_log_summary.py rounds-*.log
     python scripts/round_log_summary.py --verdict rounds-*.log
     python scripts/round_log_summary.py --generations rounds-*.log
+    python scripts/round_log_summary.py --fill PLAIN_MS|RESULT.json rounds-*.log
 
 A padded run whose batch sizes are one number and whose server ms sit below the
 unpadded rounds' is what `--pad-rounds` is for (docs/BENCHMARKS.md, "Why the H200's
@@ -15,7 +16,15 @@ as `--pad-rounds auto` sends them, to the padding policy: which draft lengths it
 pad on that server (docs/BENCHMARKS.md, "Padding decided on the GPU").
 `--generations` gives each generation's first round (the prefill and the slot copies
 after it) apart from the rest, and the rest's tokens a second: what a cold request's
-fill costs against the steady speed after it.
+fill costs against the steady speed after it. `--fill PLAIN_MS` pools the
+generations that stayed on the oracle's path, cold (the first round found less than half
+of the context cached) apart from warm (the bench's exact-check re-runs of a prompt);
+each file's first generation, the bench's warm-up, is left out. It sets their rounds
+after the first against plain decoding at PLAIN_MS a token, with and without the fill
+(the first round's time beyond its request: the slot copies), and says how long a fill
+the median cold generation could have afforded and still matched plain decoding. Given
+the bench's RESULT.json instead of a number, it takes the plain step that run measured
+(at its one context).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from proxy.bench.report import OFF_PATH_SHARE
 from proxy.data.records import RoundRecord
 from proxy.policies.padding import BLOCK_ROUNDS, PaddingPolicy
 
@@ -121,10 +131,13 @@ def generations(rounds: list[dict]) -> list[dict]:
     for first, *rest in runs:
         copies = first.get("copies")
         later_ms = sum(r["round_ms"] for r in rest)
+        request_ms = first.get("verify_ms", 0.0) + first.get("draft_ms", 0.0)
         tokens = sum(r["n_accepted"] + 1 for r in rest)
         rows.append({
             "cached": first["slots"][0][2] if first["slots"] else 0,
-            "first_ms": first["round_ms"],
+            "n_context": first.get("n_context"),
+            "first_ms": first["round_ms"], "fill_ms": first["round_ms"] - request_ms,
+            "later_ms": later_ms,
             "copies_ms": None if copies is None else sum(c[0] + c[1] for c in copies),
             "rounds": len(rest), "empty": sum(1 for r in rest if not r["n_drafted"]),
             "tokens": tokens, "tokens_per_s": 1e3 * tokens / later_ms if later_ms else None,
@@ -145,7 +158,69 @@ def print_generations(paths: list[str]) -> None:
             )
 
 
+def fill_sides(rows: list[dict], plain_ms: float) -> dict[str, dict]:
+    """The generations on the oracle's path (at most the bench report's share of their
+    later rounds without a draft, or 2), as "cold" and "warm": per side, each one's fill
+    ms and its later rounds' speed as a multiple of plain decoding, without and with the
+    fill; and the medians, with the fill the median cold generation could have cost and
+    still decoded at plain speed (its tokens at plain speed less its rounds' time)."""
+    sides: dict[str, dict] = {}
+    for row in rows:
+        n_context = row["n_context"] or 0
+        if not row["later_ms"] or row["empty"] > max(2, OFF_PATH_SHARE * row["rounds"]):
+            continue
+        side = sides.setdefault(
+            "cold" if row["cached"] < n_context / 2 else "warm",
+            {"fill_ms": [], "rounds_x": [], "with_fill_x": [], "slack_ms": []},
+        )
+        plain_time = row["tokens"] * plain_ms
+        side["fill_ms"].append(row["fill_ms"])
+        side["rounds_x"].append(plain_time / row["later_ms"])
+        side["with_fill_x"].append(plain_time / (row["later_ms"] + row["fill_ms"]))
+        side["slack_ms"].append(plain_time - row["later_ms"])
+    for side in sides.values():
+        for key in ("fill_ms", "rounds_x", "with_fill_x", "slack_ms"):
+            side["median_" + key] = statistics.median(side[key])
+    return sides
+
+
+def print_fill(plain_ms: float, paths: list[str]) -> None:
+    # each file is one proxy of one bench run, whose first generation is the bench's
+    # warm-up request (its rounds also explore the draft lengths): not measured
+    rows = [g for p in paths for g in generations(rounds_of(Path(p).read_text().splitlines()))[1:]]
+    sides = fill_sides(rows, plain_ms)
+    for name in ("cold", "warm"):
+        side = sides.get(name)
+        if side is None:
+            print(f"{name}: no generation on the oracle's path")
+            continue
+        fills = ", ".join(f"{ms:.0f}" for ms in side["fill_ms"])
+        print(
+            f"{name}: {len(side['fill_ms'])} generations, fill ms [{fills}]; rounds after "
+            f"the first {side['median_rounds_x']:.2f}x plain, with the fill "
+            f"{side['median_with_fill_x']:.2f}x"
+        )
+    if "cold" in sides:
+        print(
+            f"a cold generation matches plain with a fill of up to "
+            f"{sides['cold']['median_slack_ms']:.0f} ms (median)"
+        )
+
+
+def plain_step_ms(given: str) -> float:
+    """PLAIN_MS, or the plain step a bench result measured (`round_costs`, one context)."""
+    if not given.endswith(".json"):
+        return float(given)
+    costs = json.loads(Path(given).read_text())["round_costs"]
+    if len(costs) != 1:
+        raise SystemExit(f"{given}: {len(costs)} contexts; give the plain ms instead")
+    return float(next(iter(costs.values()))["plain_ms"])
+
+
 def main(paths: list[str]) -> int:
+    if paths[:1] == ["--fill"]:
+        print_fill(plain_step_ms(paths[1]), paths[2:])
+        return 0
     if paths[:1] == ["--verdict"]:
         print_verdict(paths[1:])
         return 0

@@ -98,3 +98,47 @@ def test_generations_part_the_first_round_and_its_copies_from_the_steady_speed(t
     assert summary.main(["--generations", str(log)]) == 0
     out = capsys.readouterr().out
     assert "first round   180.0 ms (copies 100.0)" in out and "28 tokens at  147.4 tok/s" in out
+
+
+def test_fill_sets_cold_and_warm_generations_on_the_path_against_plain(tmp_path, capsys):
+    summary = load_script("round_log_summary")
+
+    def generation(cached: int, fill_ms: float, empty: int) -> list[str]:
+        """A first round of a 40 ms request and `fill_ms` beyond it, then 10 rounds of
+        3 tokens in 20 ms, of which `empty` commit one token without a draft."""
+        first = _line(0, 0, [513 - cached], 0, 40.0, n_accepted=0, n_context=513,
+                      draft_ms=0.0, verify_ms=40.0, round_ms=40.0 + fill_ms)  # fmt: skip
+        first = first.replace("500, 40.0]", f"{cached}, 40.0]")
+        rest = [
+            _line(i, 0 if i <= empty else 2, [1, 2, 3], 0, 15.0,
+                  n_accepted=0 if i <= empty else 2, round_ms=20.0)
+            for i in range(1, 11)
+        ]  # fmt: skip
+        return [first, *rest]
+
+    log = tmp_path / "rounds.log"
+    log.write_text("\n".join([
+        *generation(0, 500.0, 0),  # the warm-up: left out
+        *generation(0, 100.0, 0), *generation(4, 60.0, 2),
+        *generation(0, 80.0, 5),  # off the oracle's path: left out
+        *generation(512, 1.0, 0),
+    ]))  # fmt: skip
+    rows = summary.generations(summary.rounds_of(log.read_text().splitlines()))[1:]
+    # at 10 ms a token plain: 30 tokens in 200 ms is 1.5x, 26 (2 empty rounds) 1.3x
+    sides = summary.fill_sides(rows, 10.0)
+    assert set(sides) == {"cold", "warm"}
+    cold = sides["cold"]
+    assert cold["fill_ms"] == [100.0, 60.0]
+    assert cold["rounds_x"] == [1.5, 1.3]
+    assert cold["with_fill_x"] == [300 / 300, 260 / 260]
+    assert cold["slack_ms"] == [100.0, 60.0] and cold["median_slack_ms"] == 80.0
+    assert sides["warm"]["with_fill_x"] == [300 / 201]
+    assert summary.main(["--fill", "10", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "cold: 2 generations, fill ms [100, 60]; rounds after the first 1.40x plain" in out
+    assert "with the fill 1.00x" in out
+    assert "a cold generation matches plain with a fill of up to 80 ms (median)" in out
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"round_costs": {"512": {"context": 512, "plain_ms": 10.0}}}))
+    assert summary.main(["--fill", str(result), str(log)]) == 0
+    assert "up to 80 ms (median)" in capsys.readouterr().out
