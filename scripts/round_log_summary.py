@@ -18,13 +18,15 @@ pad on that server (docs/BENCHMARKS.md, "Padding decided on the GPU").
 after it) apart from the rest, and the rest's tokens a second: what a cold request's
 fill costs against the steady speed after it. `--fill PLAIN_MS` pools the
 generations that stayed on the oracle's path, cold (the first round found less than half
-of the context cached) apart from warm (the bench's exact-check re-runs of a prompt);
+of the context cached) apart from warm (most of it cached: the bench's exact-check re-runs
+of a single turn, a chat's later turns);
 each file's first generation, the bench's warm-up, is left out. It sets their rounds
 after the first against plain decoding at PLAIN_MS a token, with and without the fill
 (the first round's time beyond its request: the slot copies), and says how long a fill
 the median cold generation could have afforded and still matched plain decoding. Given
 the bench's RESULT.json instead of a number, it takes the plain step that run measured
-(at its one context).
+(at its one context). One plain step serves every generation, so a chat's later turns,
+decoded at longer contexts than the first, are set against a plain step a little too short.
 """
 
 from __future__ import annotations
