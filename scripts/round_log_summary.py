@@ -19,11 +19,11 @@ after it) apart from the rest, and the rest's tokens a second: what a cold reque
 fill costs against the steady speed after it. `--fill PLAIN_MS` pools the
 generations that stayed on the oracle's path, cold (the first round found less than half
 of the context cached) apart from warm (most of it cached: the bench's exact-check re-runs
-of a single turn, a chat's later turns);
-each file's first generation, the bench's warm-up, is left out. It sets their rounds
-after the first against plain decoding at PLAIN_MS a token, with and without the fill
-(the first round's time beyond its request: the slot copies), and says how long a fill
-the median cold generation could have afforded and still matched plain decoding. Given
+of a single turn, a chat's later turns); each file's first generation, the bench's
+warm-up, is left out. It sets their rounds after the first against plain decoding at
+PLAIN_MS a token, with and without the fill (the first round's time beyond its request:
+the slot copies), and says how long a fill the median cold generation could have
+afforded and still matched plain decoding. Given
 the bench's RESULT.json instead of a number, it takes the plain step that run measured
 (at its one context). One plain step serves every generation, so a chat's later turns,
 decoded at longer contexts than the first, are set against a plain step a little too short.
@@ -38,7 +38,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from proxy.bench.report import OFF_PATH_SHARE
+from proxy.bench.report import on_oracle_path
 from proxy.data.records import RoundRecord
 from proxy.policies.padding import BLOCK_ROUNDS, PaddingPolicy
 
@@ -168,11 +168,10 @@ def fill_sides(rows: list[dict], plain_ms: float) -> dict[str, dict]:
     still decoded at plain speed (its tokens at plain speed less its rounds' time)."""
     sides: dict[str, dict] = {}
     for row in rows:
-        n_context = row["n_context"] or 0
-        if not row["later_ms"] or row["empty"] > max(2, OFF_PATH_SHARE * row["rounds"]):
+        if not row["later_ms"] or not on_oracle_path(row["empty"], row["rounds"]):
             continue
         side = sides.setdefault(
-            "cold" if row["cached"] < n_context / 2 else "warm",
+            "cold" if row["cached"] < (row["n_context"] or 0) / 2 else "warm",
             {"fill_ms": [], "rounds_x": [], "with_fill_x": [], "slack_ms": []},
         )
         plain_time = row["tokens"] * plain_ms

@@ -104,6 +104,12 @@ def _equality(s: dict[str, Any]) -> str:
 OFF_PATH_SHARE = 0.2
 
 
+def on_oracle_path(empty_rounds: int, rounds: int) -> bool:
+    """Whether an oracle run (or one generation of it) with `empty_rounds` of its
+    `rounds` without a draft stayed on the oracle's recorded path."""
+    return empty_rounds <= max(2, OFF_PATH_SHARE * rounds)
+
+
 def on_path_lines(result: dict[str, Any]) -> list[str]:
     """The oracle rows again, from their runs on the oracle's recorded path only: a
     run whose output flips a second near-tie has no drafts for the rest of it, and two
@@ -120,8 +126,7 @@ def on_path_lines(result: dict[str, Any]) -> list[str]:
         if run["kind"] != "oracle":
             continue
         stats = run.get("stats") or {}
-        empty = stats.get("empty_draft_rounds") or 0
-        on_path = empty <= max(2, OFF_PATH_SHARE * (stats.get("rounds") or 0))
+        on_path = on_oracle_path(stats.get("empty_draft_rounds") or 0, stats.get("rounds") or 0)
         base = plain.get((run["context"], run["prompt"]))
         ratio = None
         if on_path and base and run.get("tokens_per_s"):

@@ -467,10 +467,10 @@ class SlotCopies:
         slots (none of `keep`) where copying is on, the slots to fill lag by enough
         tokens to be worth it and, at the measured rates, the copy costs less than the
         prefill it spares them (`SlotReplicator.copy_pays`); they count as touched.
-        Where this generation saved the
-        slot file before and the measured rates say so, the file is restored as it is
-        and the slots prefill what it lacks in the next batch: a second save of a long
-        context costs more than that (`SlotReplicator.reuse_pays`)."""
+        Where this generation saved the slot file before and the measured rates say so,
+        the file is restored as it is and the slots prefill what it lacks in the next
+        batch: a second save of a long context costs more than that
+        (`SlotReplicator.reuse_pays`)."""
         replicator = self.replicator
         if (
             replicator is None or not replicator.available or id_slot < 0
