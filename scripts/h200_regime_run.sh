@@ -88,6 +88,9 @@
 #   s30a    s30's A/B, then its chats, nothing beside them
 #   s30b    s30's A/B alone, without llama.cpp's drafting or second flips
 #   s30c    the cold fill alone: one always-speculating run of gen-lru and chat-travel
+#   s31     s30's A/B (auto against off, llama.cpp's drafting beside), then a draft step
+#           for B = 1..16 sequences on CUDA and 8 host cores, the real drafter on CUDA
+#           beside the host CPU, the chats by cost; needs ORT_SHA and the .ortgpu parts
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -111,10 +114,46 @@ STRIX=(--context 512 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 4 
   --ceiling-ks 1,2,3,4 --oracle-acceptance 0.8 --oracle-delay-ms 11 --oracle-branches 0
   --proxy-variant 'defaults=')
 VK_DESCRIPTION="NVIDIA H200, Vulkan, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on"
-make_models() {  # the 14B-shape target in /tmp/m14, in the background (/tmp/models.done)
+make_models() {  # the 14B-shape target in /tmp/m14, in the background (/tmp/models.done);
+  # DRAFTER=1: also the proxy's drafter folder (the same draft function, fp32 ONNX)
+  local no_drafter=--no-drafter
+  [ "${DRAFTER:-0}" = 1 ] && no_drafter=
   setsid nohup bash -c "python3 -m proxy.cli make-models /tmp/m14 --target-shape qwen3-14b \
-    --draft noisy:0.025 --draft-shape qwen3-0.6b --draft-dtype q8_0 --no-drafter \
+    --draft noisy:0.025 --draft-shape qwen3-0.6b --draft-dtype q8_0 $no_drafter \
     && touch /tmp/models.done" > /tmp/models.log 2>&1 < /dev/null &
+}
+ort_gpu() {  # [SECONDS]: onnxruntime-gpu (CUDA 13 build), whose wheel is over one call's
+  # carry, from the parts that later calls carry one each into .ortgpu/ (ORT_SHA: the
+  # whole archive's sha256); unpacked to /tmp/ortsite, ahead of the image's CPU build
+  local got waited=0
+  until got="$(cat .ortgpu/part-? 2>/dev/null | sha256sum | cut -d' ' -f1)"
+        [ "$got" = "$ORT_SHA" ]; do
+    sleep 10; waited=$((waited + 10))
+    [ "$waited" -lt "${1:-600}" ] || { echo "ORT parts incomplete"; ls -la .ortgpu; return 1; }
+  done
+  mkdir -p /tmp/ortsite
+  cat .ortgpu/part-? | python3 -c "import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/ortsite')"
+  export PYTHONPATH="/tmp/ortsite:$PYTHONPATH"
+  # the CUDA 13 libraries that the image's PyTorch brought (cuBLAS, cuDNN, cuFFT, ...)
+  LD_LIBRARY_PATH="$(python3 -c "import glob, sys
+print(':'.join(d for p in sys.path for d in glob.glob(p + '/nvidia/**/lib', recursive=True)))"):${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH
+  python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
+}
+cuda_drafter() {  # issue 29 items 3 and 4 (after ort_gpu): a draft step for B sequences on
+  # CUDA and on 8 host cores; then the real drafter on CUDA beside the host CPU, one run
+  for provider in cuda cpu; do
+    taskset -c 0-7 python3 scripts/drafter_batch_cost.py /tmp/m14/draft --provider "$provider" \
+      --batches 1,2,4,8,16 --contexts 512,4096 --repeats 7 \
+      -o "$OUT/h200-drafter-batch-cost-$provider.json" | tail -12 || echo "batch cost $provider FAILED"
+  done
+  taskset -c 0-7 python3 -m proxy.cli bench --models /tmp/m14 --provider cuda \
+    --server-args='-ngl 99 -fa on' --builtin-args='-ngld 99' --context 512 -n 128 \
+    --prompt-ids gen-lru,chat-travel --modes plain,builtin,proxy -k 6 --repeats 2 \
+    --ceiling-ks 1,2,3,4,6 --proxy-variant 'cuda=' --proxy-variant 'cudaspec=--plain-runs off' \
+    --proxy-variant 'cpu=--provider cpu' --exact-check all --work-dir /tmp/cuda-drafter \
+    -o "$OUT/h200-cuda-drafter.json" | tail -25 || echo "cuda drafter FAILED"
 }
 start_with_vulkan() {  # start, with the Vulkan build (VK_JOBS jobs) beside it; waits for both
   install_sources
@@ -614,6 +653,18 @@ case "$STAGE" in
     spec_chats 'cost='
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-chats-*.log || true
     single8_defaults 512
+    wait
+    grep -v "INFO proxy" /tmp/emu-a.log
+    ;;
+  s31)  # s30's A/B, then issue 29 items 3 and 4 on CUDA (onnxruntime-gpu carried in parts
+        # by the calls that collect), then the chats by cost; the Strix Halo 14B chats beside
+    DRAFTER=1 bash scripts/h200_regime_run.sh start
+    strix14 . 8-15 chat-s31 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
+    BUILTIN=1 SUB_BRANCHES=2 spec_ab auto 'auto=' 'off=--pad-rounds off'
+    ab_summaries
+    ort_gpu 300 && cuda_drafter
+    spec_chats 'cost='
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-chats-*.log || true
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
     ;;
