@@ -88,9 +88,10 @@
 #   s30a    s30's A/B, then its chats, nothing beside them
 #   s30b    s30's A/B alone, without llama.cpp's drafting or second flips
 #   s30c    the cold fill alone: one always-speculating run of gen-lru and chat-travel
-#   s31     s30's A/B (auto against off, llama.cpp's drafting beside), then a draft step
-#           for B = 1..16 sequences on CUDA and 8 host cores, the real drafter on CUDA
-#           beside the host CPU, the chats by cost; needs ORT_SHA and the .ortgpu parts
+#   s31     s30's A/B (auto against off, llama.cpp's drafting beside) with the real drafter
+#           on CUDA and on the host CPU in the same run, then a draft step for B = 1..16
+#           sequences on CUDA and 8 host cores, the chats by cost; needs ORT_SHA and the
+#           .ortgpu parts (onnxruntime-gpu, carried one part a call while `start` runs)
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -141,19 +142,13 @@ print(':'.join(d for p in sys.path for d in glob.glob(p + '/nvidia/**/lib', recu
   export LD_LIBRARY_PATH
   python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
 }
-cuda_drafter() {  # issue 29 items 3 and 4 (after ort_gpu): a draft step for B sequences on
-  # CUDA and on 8 host cores; then the real drafter on CUDA beside the host CPU, one run
+drafter_batches() {  # issue 29 item 3 (after ort_gpu): a draft step for B sequences of
+  # the 0.6B-shape drafter, on CUDA and on 8 host cores
   for provider in cuda cpu; do
     taskset -c 0-7 python3 scripts/drafter_batch_cost.py /tmp/m14/draft --provider "$provider" \
       --batches 1,2,4,8,16 --contexts 512,4096 --repeats 7 \
       -o "$OUT/h200-drafter-batch-cost-$provider.json" | tail -12 || echo "batch cost $provider FAILED"
   done
-  taskset -c 0-7 python3 -m proxy.cli bench --models /tmp/m14 --provider cuda \
-    --server-args='-ngl 99 -fa on' --builtin-args='-ngld 99' --context 512 -n 128 \
-    --prompt-ids gen-lru,chat-travel --modes plain,builtin,proxy -k 6 --repeats 2 \
-    --ceiling-ks 1,2,3,4,6 --proxy-variant 'cuda=' --proxy-variant 'cudaspec=--plain-runs off' \
-    --proxy-variant 'cpu=--provider cpu' --exact-check all --work-dir /tmp/cuda-drafter \
-    -o "$OUT/h200-cuda-drafter.json" | tail -25 || echo "cuda drafter FAILED"
 }
 start_with_vulkan() {  # start, with the Vulkan build (VK_JOBS jobs) beside it; waits for both
   install_sources
@@ -203,10 +198,20 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
   # drafting beside them (the fair builtin: the 0.6B-shape draft on the GPU, k = 6);
   # SUB_BRANCHES=N: the oracle also follows N second flips per branch
   local name="$1" prompts="$2" repeats="$3"; shift 3
-  local variants=() modes=(--modes plain,oracle)
-  for v in "$@"; do variants+=(--proxy-variant "${v%%=*}=--plain-runs off --log-rounds ${v#*=}"); done
+  local variants=() modes=(--modes plain,oracle) names=""
+  for v in "$@"; do
+    variants+=(--proxy-variant "${v%%=*}=--plain-runs off --log-rounds ${v#*=}")
+    names="${names:+$names,}${v%%=*}"
+  done
   [ "${BUILTIN:-0}" = 1 ] && modes=(--modes plain,builtin,oracle --draft-gguf /tmp/m14/draft.gguf
     --builtin-args='-ngld 99')
+  # CUDA_DRAFTER=1 (after ort_gpu, with BUILTIN=1): the real drafter in the same run, on
+  # CUDA with the defaults and always speculating, and with the defaults on the host CPU
+  [ "${CUDA_DRAFTER:-0}" = 1 ] && modes=(--modes plain,builtin,proxy,oracle --models /tmp/m14
+    --builtin-args='-ngld 99' --provider cuda --proxy-variant 'cuda=--log-rounds'
+    --proxy-variant 'cudaspec=--plain-runs off --log-rounds'
+    --proxy-variant 'cpu=--provider cpu --log-rounds' --proxy-mode-variants cuda,cudaspec,cpu
+    --oracle-mode-variants "$names")
   taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
     --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids "$prompts" \
     "${modes[@]}" -k 6 --repeats "$repeats" --ceiling-ks 1,2,3,4,6 \
@@ -660,9 +665,11 @@ case "$STAGE" in
         # by the calls that collect), then the chats by cost; the Strix Halo 14B chats beside
     DRAFTER=1 bash scripts/h200_regime_run.sh start
     strix14 . 8-15 chat-s31 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
-    BUILTIN=1 SUB_BRANCHES=2 spec_ab auto 'auto=' 'off=--pad-rounds off'
+    cuda=0
+    ort_gpu 240 && cuda=1
+    CUDA_DRAFTER=$cuda BUILTIN=1 SUB_BRANCHES=2 spec_ab auto 'auto=' 'off=--pad-rounds off'
     ab_summaries
-    ort_gpu 300 && cuda_drafter
+    [ "$cuda" = 1 ] && drafter_batches
     spec_chats 'cost='
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-chats-*.log || true
     wait

@@ -209,8 +209,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--proxy-mode-variants",
         type=lambda text: [name.strip() for name in text.split(",")],
         metavar="NAME[,NAME...]",
-        help="the --proxy-variant names the proxy mode (the real drafter) runs; the oracle "
-        "runs every variant (default: all), e.g. 'defaults' where the real drafter is slow",
+        help="the --proxy-variant names the proxy mode (the real drafter) runs (default: "
+        "all), e.g. 'defaults' where the real drafter is slow",
+    )
+    parser.add_argument(
+        "--oracle-mode-variants",
+        type=lambda text: [name.strip() for name in text.split(",")],
+        metavar="NAME[,NAME...]",
+        help="the --proxy-variant names the oracle runs (default: all): the real drafter and "
+        "the oracle in one run, each with its own variants",
     )
     parser.add_argument(
         "--turns",
@@ -321,6 +328,7 @@ def options_from_args(args: argparse.Namespace):
         warmup=args.warmup,
         proxy_variants=args.proxy_variants or [("", [])],
         proxy_mode_variants=args.proxy_mode_variants,
+        oracle_mode_variants=args.oracle_mode_variants,
         turns=args.turns,
         regime=args.regime,
     )
@@ -365,10 +373,14 @@ def run(args: argparse.Namespace) -> int:
         log.error("the proxy mode needs --drafter (or --models)")
         return 2
     names = {name for name, _ in options.proxy_variants}
-    unknown = sorted(set(options.proxy_mode_variants or ()) - names)
-    if unknown:
-        log.error("--proxy-mode-variants %s: no such --proxy-variant", ",".join(unknown))
-        return 2
+    for flag, wanted in (
+        ("--proxy-mode-variants", options.proxy_mode_variants),
+        ("--oracle-mode-variants", options.oracle_mode_variants),
+    ):
+        unknown = sorted(set(wanted or ()) - names)
+        if unknown:
+            log.error("%s %s: no such --proxy-variant", flag, ",".join(unknown))
+            return 2
     if options.oracle_delay_steps is not None and not options.ceiling_ks:
         log.error("--oracle-delay-steps needs the plain step: give --ceiling-ks (not 'none')")
         return 2

@@ -143,9 +143,9 @@ class BenchOptions:
     warmup: str = "context"
     # proxy and oracle run once per variant: (name, extra `npu-spec serve` options)
     proxy_variants: list[tuple[str, list[str]]] = field(default_factory=lambda: [("", [])])
-    # the variants the proxy mode (the real drafter) runs; None: all of them (the oracle
-    # always runs all)
+    # the variants the proxy mode (the real drafter) and the oracle run; None: all of them
     proxy_mode_variants: list[str] | None = None
+    oracle_mode_variants: list[str] | None = None
     # turns per conversation: each turn's prompt is the last turn's prompt, the plain
     # answer and a follow-up question (a chat user's slots), answered in order
     turns: int = 1
@@ -222,6 +222,7 @@ def mode_specs(
                 for x, ms in delays
                 for h in options.oracle_runner_up_hits
                 for name, args in options.proxy_variants
+                if options.oracle_mode_variants is None or name in options.oracle_mode_variants
             ]  # fmt: skip
         elif kind == "builtin-synth":
             specs += [ModeSpec(kind, k, acceptance=a) for a in options.oracle_acceptance]

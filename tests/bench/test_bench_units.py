@@ -51,6 +51,11 @@ def test_proxy_variants_multiply_proxy_and_oracle_modes() -> None:
     assert [s.name for s in mode_specs(options, 6)] == [
         "plain", "proxy", "oracle(a=0.8,0ms)", "oracle(a=0.8,0ms)[turns]",
     ]  # fmt: skip
+    # and the oracle only in its own (the real drafter and the oracle in one run)
+    options.oracle_mode_variants = ["turns"]
+    assert [s.name for s in mode_specs(options, 6)] == [
+        "plain", "proxy", "oracle(a=0.8,0ms)[turns]",
+    ]  # fmt: skip
 
 
 def test_runner_up_hits_multiply_oracle_modes_only() -> None:
