@@ -92,6 +92,7 @@
 #           on CUDA and on the host CPU in the same run, then a draft step for B = 1..16
 #           sequences on CUDA and 8 host cores, the chats by cost; needs ORT_SHA and the
 #           .ortgpu parts (onnxruntime-gpu, carried one part a call while `start` runs)
+#   s31a    s31 cut to ~700 s: no second flips, no host-CPU drafter, no chats or Strix cell
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -142,9 +143,9 @@ print(':'.join(d for p in sys.path for d in glob.glob(p + '/nvidia/**/lib', recu
   export LD_LIBRARY_PATH
   python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
 }
-drafter_batches() {  # issue 29 item 3 (after ort_gpu): a draft step for B sequences of
-  # the 0.6B-shape drafter, on CUDA and on 8 host cores
-  for provider in cuda cpu; do
+drafter_batches() {  # PROVIDERS...: issue 29 item 3 (after ort_gpu): a draft step for B
+  # sequences of the 0.6B-shape drafter, on CUDA and (cpu) on 8 host cores
+  for provider in "$@"; do
     taskset -c 0-7 python3 scripts/drafter_batch_cost.py /tmp/m14/draft --provider "$provider" \
       --batches 1,2,4,8,16 --contexts 512,4096 --repeats 7 \
       -o "$OUT/h200-drafter-batch-cost-$provider.json" | tail -12 || echo "batch cost $provider FAILED"
@@ -207,11 +208,15 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
     --builtin-args='-ngld 99')
   # CUDA_DRAFTER=1 (after ort_gpu, with BUILTIN=1): the real drafter in the same run, on
   # CUDA with the defaults and always speculating, and with the defaults on the host CPU
+  # (HOST_CPU_DRAFTER=0: not on the host CPU)
+  local drafter=(--proxy-variant 'cuda=--log-rounds'
+    --proxy-variant 'cudaspec=--plain-runs off --log-rounds') drafter_names=cuda,cudaspec
+  if [ "${HOST_CPU_DRAFTER:-1}" = 1 ]; then
+    drafter+=(--proxy-variant 'cpu=--provider cpu --log-rounds'); drafter_names+=,cpu
+  fi
   [ "${CUDA_DRAFTER:-0}" = 1 ] && modes=(--modes plain,builtin,proxy,oracle --models /tmp/m14
-    --builtin-args='-ngld 99' --provider cuda --proxy-variant 'cuda=--log-rounds'
-    --proxy-variant 'cudaspec=--plain-runs off --log-rounds'
-    --proxy-variant 'cpu=--provider cpu --log-rounds' --proxy-mode-variants cuda,cudaspec,cpu
-    --oracle-mode-variants "$names")
+    --builtin-args='-ngld 99' --provider cuda "${drafter[@]}"
+    --proxy-mode-variants "$drafter_names" --oracle-mode-variants "$names")
   taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
     --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids "$prompts" \
     "${modes[@]}" -k 6 --repeats "$repeats" --ceiling-ks 1,2,3,4,6 \
@@ -669,11 +674,20 @@ case "$STAGE" in
     ort_gpu 240 && cuda=1
     CUDA_DRAFTER=$cuda BUILTIN=1 SUB_BRANCHES=2 spec_ab auto 'auto=' 'off=--pad-rounds off'
     ab_summaries
-    [ "$cuda" = 1 ] && drafter_batches
+    [ "$cuda" = 1 ] && drafter_batches cuda cpu
     spec_chats 'cost='
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-chats-*.log || true
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
+    ;;
+  s31a)  # s31 for ~700 s of device time: the A/B without second flips, the real drafter on
+         # CUDA only, the CUDA draft step; no chats, no Strix Halo cell
+    DRAFTER=1 bash scripts/h200_regime_run.sh start
+    cuda=0
+    ort_gpu 200 && cuda=1
+    HOST_CPU_DRAFTER=0 CUDA_DRAFTER=$cuda BUILTIN=1 spec_ab auto 'auto=' 'off=--pad-rounds off'
+    ab_summaries
+    [ "$cuda" = 1 ] && drafter_batches cuda
     ;;
   s30a)  # s30's A/B alone, then its chats: for a session left with ~900 s of device time
     bash scripts/h200_regime_run.sh start
