@@ -139,7 +139,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/ortsite')"
   export PYTHONPATH="/tmp/ortsite:$PYTHONPATH"
   # the CUDA 13 libraries that the image's PyTorch brought (cuBLAS, cuDNN, cuFFT, ...)
   LD_LIBRARY_PATH="$(python3 -c "import glob, sys
-print(':'.join(d for p in sys.path for d in glob.glob(p + '/nvidia/**/lib', recursive=True)))"):${LD_LIBRARY_PATH:-}"
+print(':'.join(d for p in sys.path for d in glob.glob(p + '/nvidia/**/lib', recursive=True)))"):/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
   export LD_LIBRARY_PATH
   python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
 }
