@@ -93,6 +93,7 @@
 #           sequences on CUDA and 8 host cores, the chats by cost; needs ORT_SHA and the
 #           .ortgpu parts (onnxruntime-gpu, carried one part a call while `start` runs)
 #   s31a    s31 cut to ~700 s: no second flips, no host-CPU drafter, no chats or Strix cell
+#   ortcheck  onnxruntime-gpu carried in parts, and a CUDA draft step for B sequences alone
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -688,6 +689,23 @@ case "$STAGE" in
     HOST_CPU_DRAFTER=0 CUDA_DRAFTER=$cuda BUILTIN=1 spec_ab auto 'auto=' 'off=--pad-rounds off'
     ab_summaries
     [ "$cuda" = 1 ] && drafter_batches cuda
+    ;;
+  ortcheck)  # onnxruntime-gpu from the .ortgpu parts (ORT_SHA; the first call carries
+             # .whl-gguf, gguf's wheel alone, to leave room for a part), then issue 29 item
+             # 3's draft step for B sequences on CUDA (the random-weight real Qwen3-0.6B
+             # shape, fp32 and fp16) and on 8 host cores; no llama-server, no models
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+      .whl-gguf/*.whl
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    ort_gpu 420
+    for dtype in f32 f16; do
+      taskset -c 0-7 python3 scripts/drafter_batch_cost.py --provider cuda --dtype "$dtype" \
+        --batches 1,2,4,8,16 --contexts 512,4096 --repeats 7 \
+        -o "$OUT/h200-drafter-batch-cost-cuda-$dtype.json" | tail -12 || echo "cuda $dtype FAILED"
+    done
+    taskset -c 0-7 python3 scripts/drafter_batch_cost.py --provider cpu --threads 8 \
+      --batches 1,2,4,8,16 --contexts 512,4096 --repeats 5 \
+      -o "$OUT/h200-host-drafter-batch-cost-cpu-f32.json" | tail -12 || echo "cpu FAILED"
     ;;
   s30a)  # s30's A/B alone, then its chats: for a session left with ~900 s of device time
     bash scripts/h200_regime_run.sh start
