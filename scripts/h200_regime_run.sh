@@ -90,10 +90,14 @@
 #   s30c    the cold fill alone: one always-speculating run of gen-lru and chat-travel
 #   s31     s30's A/B (auto against off, llama.cpp's drafting beside) with the real drafter
 #           on CUDA and on the host CPU in the same run, then a draft step for B = 1..16
-#           sequences on CUDA and 8 host cores, the chats by cost; needs ORT_SHA and the
-#           .ortgpu parts (onnxruntime-gpu, carried one part a call while `start` runs)
+#           sequences on CUDA and 8 host cores, the chats by cost. Needs the .ortgpu
+#           parts (onnxruntime-gpu: `bash scripts/ort_gpu_parts.sh` here first). The first
+#           call carries [".whl", ".llama-src", ".ortgpu/SHA256"] and runs `background
+#           s31`; the next six carry one part each ([".ortgpu/part-N"]) and run `collect
+#           s31 20`, back to back (a machine idle for 30 s goes back), while `start` builds
 #   s31a    s31 cut to ~700 s: no second flips, no host-CPU drafter, no chats or Strix cell
-#   ortcheck  onnxruntime-gpu carried in parts, and a CUDA draft step for B sequences alone
+#   ortcheck  onnxruntime-gpu carried in parts, and a CUDA draft step for B sequences
+#           alone; its first call carries [".whl-gguf", ".ortgpu/SHA256", ".ortgpu/part-0"]
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
 #   background STAGE   run STAGE after this call returns (results in /tmp/bg-STAGE)
 #   collect STAGE S    wait up to S seconds for a background STAGE; its results to $OUT
@@ -126,11 +130,13 @@ make_models() {  # the 14B-shape target in /tmp/m14, in the background (/tmp/mod
     && touch /tmp/models.done" > /tmp/models.log 2>&1 < /dev/null &
 }
 ort_gpu() {  # [SECONDS]: onnxruntime-gpu (CUDA 13 build), whose wheel is over one call's
-  # carry, from the parts that later calls carry one each into .ortgpu/ (ORT_SHA: the
-  # whole archive's sha256); unpacked to /tmp/ortsite, ahead of the image's CPU build
-  local got waited=0
-  until got="$(cat .ortgpu/part-? 2>/dev/null | sha256sum | cut -d' ' -f1)"
-        [ "$got" = "$ORT_SHA" ]; do
+  # carry, from the parts that calls carry one each into .ortgpu/ (scripts/ort_gpu_parts.sh;
+  # the whole archive's sha256 in ORT_SHA or .ortgpu/SHA256, carried by the first call);
+  # unpacked to /tmp/ortsite, ahead of the image's CPU build
+  local got waited=0 want="${ORT_SHA:-}"
+  until [ -n "$want" ] || want="$(cat .ortgpu/SHA256 2>/dev/null)"
+        got="$(cat .ortgpu/part-? 2>/dev/null | sha256sum | cut -d' ' -f1)"
+        [ "$got" = "$want" ]; do
     sleep 10; waited=$((waited + 10))
     [ "$waited" -lt "${1:-600}" ] || { echo "ORT parts incomplete"; ls -la .ortgpu; return 1; }
   done
