@@ -205,20 +205,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run proxy and oracle once per variant with these extra `npu-spec serve` options, "
         "e.g. --proxy-variant 'turns=--fixed-k --no-overlap' (repeatable; NAME= alone: defaults)",
     )
-    parser.add_argument(
-        "--proxy-mode-variants",
-        type=lambda text: [name.strip() for name in text.split(",")],
-        metavar="NAME[,NAME...]",
-        help="the --proxy-variant names the proxy mode (the real drafter) runs (default: "
-        "all), e.g. 'defaults' where the real drafter is slow",
-    )
-    parser.add_argument(
-        "--oracle-mode-variants",
-        type=lambda text: [name.strip() for name in text.split(",")],
-        metavar="NAME[,NAME...]",
-        help="the --proxy-variant names the oracle runs (default: all): the real drafter and "
-        "the oracle in one run, each with its own variants",
-    )
+    for mode, example in (
+        ("proxy", "e.g. 'defaults' where the real drafter is slow"),
+        ("oracle", "so the real drafter and the oracle share a run with their own variants"),
+    ):
+        parser.add_argument(
+            f"--{mode}-mode-variants",
+            type=lambda text: [name.strip() for name in text.split(",")],
+            metavar="NAME[,NAME...]",
+            help=f"the --proxy-variant names the {mode} mode runs (default: all), {example}",
+        )
     parser.add_argument(
         "--turns",
         type=int,
