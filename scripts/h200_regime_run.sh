@@ -133,9 +133,8 @@ ort_gpu() {  # [SECONDS]: onnxruntime-gpu (CUDA 13 build), whose wheel is over o
   # carry, from the parts that calls carry one each into .ortgpu/ (scripts/ort_gpu_parts.sh;
   # the whole archive's sha256 in ORT_SHA or .ortgpu/SHA256, carried by the first call);
   # unpacked to /tmp/ortsite, ahead of the image's CPU build
-  local got waited=0 want="${ORT_SHA:-}"
-  until [ -n "$want" ] || want="$(cat .ortgpu/SHA256 2>/dev/null)"
-        got="$(cat .ortgpu/part-? 2>/dev/null | sha256sum | cut -d' ' -f1)"
+  local got waited=0 want="${ORT_SHA:-$(cat .ortgpu/SHA256)}"
+  until got="$(cat .ortgpu/part-? 2>/dev/null | sha256sum | cut -d' ' -f1)"
         [ "$got" = "$want" ]; do
     sleep 10; waited=$((waited + 10))
     [ "$waited" -lt "${1:-600}" ] || { echo "ORT parts incomplete"; ls -la .ortgpu; return 1; }
@@ -150,13 +149,14 @@ print(':'.join(d for p in sys.path for d in glob.glob(p + '/nvidia/**/lib', recu
   export LD_LIBRARY_PATH
   python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
 }
-drafter_batches() {  # PROVIDERS...: issue 29 item 3 (after ort_gpu): a draft step for B
-  # sequences of the 0.6B-shape drafter, on CUDA and (cpu) on 8 host cores
-  for provider in "$@"; do
-    taskset -c 0-7 python3 scripts/drafter_batch_cost.py /tmp/m14/draft --provider "$provider" \
-      --batches 1,2,4,8,16 --contexts 512,4096 --repeats 7 \
-      -o "$OUT/h200-drafter-batch-cost-$provider.json" | tail -12 || echo "batch cost $provider FAILED"
-  done
+batch_cost() {  # NAME OPTIONS...: issue 29 item 3 (after ort_gpu): one table of a draft
+  # step for B = 1..16 sequences at 512 and 4096 cached positions (cores 0-7)
+  taskset -c 0-7 python3 scripts/drafter_batch_cost.py --batches 1,2,4,8,16 \
+    --contexts 512,4096 "${@:2}" -o "$OUT/h200-drafter-batch-cost-$1.json" | tail -12 \
+    || echo "batch cost $1 FAILED"
+}
+drafter_batches() {  # PROVIDERS...: batch_cost of the 0.6B-shape drafter folder in /tmp/m14
+  for provider in "$@"; do batch_cost "$provider" /tmp/m14/draft --provider "$provider" --repeats 7; done
 }
 start_with_vulkan() {  # start, with the Vulkan build (VK_JOBS jobs) beside it; waits for both
   install_sources
@@ -696,7 +696,7 @@ case "$STAGE" in
     ab_summaries
     [ "$cuda" = 1 ] && drafter_batches cuda
     ;;
-  ortcheck)  # onnxruntime-gpu from the .ortgpu parts (ORT_SHA; the first call carries
+  ortcheck)  # onnxruntime-gpu from the .ortgpu parts (.ortgpu/SHA256; the first call carries
              # .whl-gguf, gguf's wheel alone, to leave room for a part), then issue 29 item
              # 3's draft step for B sequences on CUDA (the random-weight real Qwen3-0.6B
              # shape, fp32 and fp16) and on 8 host cores; no llama-server, no models
@@ -704,14 +704,8 @@ case "$STAGE" in
       .whl-gguf/*.whl
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     ort_gpu 420
-    for dtype in f32 f16; do
-      taskset -c 0-7 python3 scripts/drafter_batch_cost.py --provider cuda --dtype "$dtype" \
-        --batches 1,2,4,8,16 --contexts 512,4096 --repeats 7 \
-        -o "$OUT/h200-drafter-batch-cost-cuda-$dtype.json" | tail -12 || echo "cuda $dtype FAILED"
-    done
-    taskset -c 0-7 python3 scripts/drafter_batch_cost.py --provider cpu --threads 8 \
-      --batches 1,2,4,8,16 --contexts 512,4096 --repeats 5 \
-      -o "$OUT/h200-host-drafter-batch-cost-cpu-f32.json" | tail -12 || echo "cpu FAILED"
+    for dtype in f32 f16; do batch_cost "cuda-$dtype" --provider cuda --dtype "$dtype" --repeats 7; done
+    batch_cost host-cpu-f32 --provider cpu --threads 8 --repeats 5
     ;;
   s30a)  # s30's A/B alone, then its chats: for a session left with ~900 s of device time
     bash scripts/h200_regime_run.sh start
