@@ -148,6 +148,16 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/ortsite')"
 print(':'.join(d for p in sys.path for d in glob.glob(p + '/nvidia/**/lib', recursive=True)))"):/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
   export LD_LIBRARY_PATH
   python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
+  # a provider that fails to load falls back to the CPU quietly: a one-node session says
+  # whether CUDA really takes it, before any cell counts on it
+  python3 -c "import onnxruntime as o
+from onnx import TensorProto, helper
+info = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [4])
+graph = helper.make_graph([helper.make_node('Relu', ['x'], ['y'])], 'g', [info('x')], [info('y')])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 17)], ir_version=9)
+got = o.InferenceSession(model.SerializeToString(), providers=['CUDAExecutionProvider']).get_providers()
+print('session providers', got)
+raise SystemExit(0 if 'CUDAExecutionProvider' in got else 1)"
 }
 batch_cost() {  # NAME OPTIONS...: issue 29 item 3 (after ort_gpu): one table of a draft
   # step for B = 1..16 sequences at 512 and 4096 cached positions (cores 0-7)
