@@ -20,14 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
-from onnx import TensorProto, numpy_helper
 
 from npu_draft.factory.hf_out import hf_config
 from npu_draft.factory.shapes import ModelShape
 from npu_draft.factory.weights import random_weights
-from npu_draft.onnx_writer import DATA_FILE, MODEL_FILE, Qwen3Config, build_model
+from npu_draft.onnx_writer import MODEL_FILE, Qwen3Config, build_model, save_graph, to_float16
 
 _ORT_FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -43,26 +41,8 @@ def random_drafter(
     if float16:
         model = to_float16(model)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / MODEL_FILE
-    onnx.save(
-        model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-        location=DATA_FILE, size_threshold=1024,
-    )  # fmt: skip
-    return path
-
-
-def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Every float32 weight, input and output as float16 (the ops the writer uses are
-    all type-generic; the norms keep their float32 stash type)."""
-    graph = model.graph
-    for index, tensor in enumerate(graph.initializer):
-        if tensor.data_type == TensorProto.FLOAT:
-            half = numpy_helper.to_array(tensor).astype(np.float16)
-            graph.initializer[index].CopyFrom(numpy_helper.from_array(half, tensor.name))
-    for value in (*graph.input, *graph.output):
-        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
-            value.type.tensor_type.elem_type = TensorProto.FLOAT16
-    return model
+    save_graph(model, out_dir)
+    return out_dir / MODEL_FILE
 
 
 def batch_axis(session: ort.InferenceSession) -> int | None:

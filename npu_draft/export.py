@@ -38,7 +38,7 @@ from npu_draft.ort_backend import DEFAULT_MAX_CONTEXT
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "int4")
+PRECISIONS = ("fp32", "fp16", "int4")
 
 
 def export_drafter(
@@ -65,11 +65,14 @@ def export_drafter(
         raise ExportError(f"{hf_dir} is not a Hugging Face checkpoint folder (no config.json)")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ExportError(f"{out_dir} exists and is not empty (use --force to replace it)")
-    if precision == "fp32" and last_position_logits and _missing_builder_dependencies():
+    # fp16 (for CUDA) always from the writer: the builder's fp16 graph targets its CUDA
+    # execution provider, and the writer's is the same graph op for op
+    writer = precision == "fp16" or (precision == "fp32" and _missing_builder_dependencies())
+    if writer and last_position_logits:
         from npu_draft.onnx_writer import write_drafter  # the same graph, without PyTorch
 
-        log.info("no PyTorch: writing the fp32 graph with npu_draft.onnx_writer")
-        return write_drafter(hf_dir, out_dir, fmt=fmt, max_context=max_context)
+        log.info("writing the %s graph with npu_draft.onnx_writer", precision)
+        return write_drafter(hf_dir, out_dir, fmt=fmt, max_context=max_context, precision=precision)
     _require_builder_dependencies()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -187,7 +190,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--precision",
         choices=PRECISIONS,
         default="fp32",
-        help="weights: fp32, or int4 (smaller and faster, a little less accurate)",
+        help="weights: fp32; fp16 for the cuda provider (its attention kernel takes no "
+        "fp32: an fp32 drafter runs attention on the CPU there); or int4 (smaller and "
+        "faster, a little less accurate)",
     )
     parser.add_argument(
         "--max-context",

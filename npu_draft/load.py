@@ -3,7 +3,8 @@
 Accepted forms::
 
     "ngram", "ngram:4,3,2"          model-free prompt lookup (n-gram sizes optional)
-    FOLDER with genai_config.json   backend genai (unless backend="onnx")
+    FOLDER with genai_config.json   backend genai (unless backend="onnx", or
+                                    onnxruntime-genai is not installed)
     FOLDER with model.onnx          backend onnx
     "FOLDER+ngram"                  the model, with n-gram continuations when long
     FOLDER with oracle.json only    the oracle stand-in for benchmarks (npu_draft.oracle)
@@ -11,6 +12,8 @@ Accepted forms::
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,11 @@ from npu_draft.protocol import DraftModel
 from npu_draft.tokenizer_check import TokenizerFacts, check_tokenizer_match, drafter_facts
 
 BACKENDS = ("auto", "genai", "onnx", "ngram")
+log = logging.getLogger(__name__)
+
+
+def genai_installed() -> bool:
+    return importlib.util.find_spec("onnxruntime_genai") is not None
 
 
 def parse_ngram_spec(spec: str) -> tuple[int, ...] | None:
@@ -117,9 +125,15 @@ def _folder_backend(folder: Path, backend: str) -> str:
     """`backend`, or with "auto" the one the folder's files call for."""
     if backend != "auto":
         return backend
+    has_graph = any(folder.glob("*.onnx"))
     if (folder / "genai_config.json").is_file():
+        if has_graph and not genai_installed():
+            # the onnx backend runs the same graph with onnxruntime alone (a GPU host's
+            # onnxruntime-gpu often comes without onnxruntime-genai)
+            log.info("%s: onnxruntime-genai is not installed; using the onnx backend", folder)
+            return "onnx"
         return "genai"
-    if any(folder.glob("*.onnx")):
+    if has_graph:
         return "onnx"
     raise FileNotFoundError(
         f"{folder} holds neither genai_config.json nor an .onnx model; "

@@ -15,6 +15,7 @@ writes) have this shape; a graph whose attention concatenates past and present
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,8 @@ from npu_draft.tokenizer_check import DrafterManifest
 # Prefill runs in chunks. A graph that emits logits for every input position would
 # otherwise make a 2.5 GB tensor at 4k positions x 152k vocabulary; one trimmed to
 # the last position (what export-drafter writes) only bounds attention scratch.
+log = logging.getLogger(__name__)
+
 PREFILL_CHUNK = 128
 PREFILL_CHUNK_LAST_POSITION = 512
 
@@ -129,10 +132,15 @@ class OnnxDraftModel(OrtDraftModel):
     ) -> None:
         self.folder = Path(folder)
         self.spec = DecoderSpec.from_folder(self.folder)
-        _require_shared_buffer_attention(self.folder / self.spec.filename, self.spec)
+        kv_type = _require_shared_buffer_attention(self.folder / self.spec.filename, self.spec)
         self.max_context = session_context(self.folder, max_context, self.spec.context_length)
-        self.choice = providers.choose_provider(
-            provider, config_file=config_file, cache_dir=cache_dir, cache_key=cache_key
+        self.choice = _attention_provider(
+            providers.choose_provider(
+                provider, config_file=config_file, cache_dir=cache_dir, cache_key=cache_key
+            ),
+            provider,
+            kv_type,
+            self.folder,
         )
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or providers.default_threads()
@@ -258,12 +266,14 @@ class OnnxDraftSession(OrtDraftSession):
         self._binding = None  # type: ignore[assignment]
 
 
-def _require_shared_buffer_attention(model_path: Path, spec: DecoderSpec) -> None:
-    """Refuse graphs whose past keys feed something other than GroupQueryAttention."""
+def _require_shared_buffer_attention(model_path: Path, spec: DecoderSpec) -> int | None:
+    """Refuse graphs whose past keys feed something other than GroupQueryAttention;
+    return the past keys' ONNX element type (None where the graph does not say)."""
     import onnx
 
     graph = onnx.load(str(model_path), load_external_data=False).graph
     past = spec.past_key % 0
+    kv_type = next((i.type.tensor_type.elem_type for i in graph.input if i.name == past), None)
     consumers = {node.op_type for node in graph.node if past in node.input}
     if consumers and consumers != {"GroupQueryAttention"}:
         raise ValueError(
@@ -271,3 +281,29 @@ def _require_shared_buffer_attention(model_path: Path, spec: DecoderSpec) -> Non
             f"past and present cannot share one buffer; re-export with "
             f"`npu-spec export-drafter HF_DIR OUT --format onnx`"
         )
+    return kv_type
+
+
+def _attention_provider(
+    choice: providers.ProviderChoice, requested: str, kv_type: int | None, folder: Path
+) -> providers.ProviderChoice:
+    """ONNX Runtime's CUDA GroupQueryAttention takes fp16 and bf16 only. In an fp32 graph
+    attention falls back to the CPU and the whole KV cache crosses PCIe twice a step:
+    236 ms a step for the 0.6B shape on an H100 against 29 ms on 8 of its CPU cores
+    (docs/BENCHMARKS.md). `auto` then drafts on the CPU; an explicit `cuda` is kept,
+    with the reason and the fix in the log."""
+    import onnx
+
+    if choice.name != "cuda" or kv_type != onnx.TensorProto.FLOAT:
+        return choice
+    why = (
+        f"{folder} is an fp32 graph: on CUDA its attention runs on the CPU with the KV cache "
+        f"copied both ways every step (ONNX Runtime's CUDA GroupQueryAttention takes fp16 "
+        f"or bf16), about 8x slower than drafting on the CPU; export it with "
+        f"`npu-spec export-drafter ... --precision fp16` for CUDA"
+    )
+    if requested.lower() == "auto":
+        log.warning("%s. Drafting on the CPU.", why)
+        return providers.CPU
+    log.warning("%s.", why)
+    return choice

@@ -42,6 +42,7 @@ MS_DOMAIN = "com.microsoft"
 MODEL_FILE, DATA_FILE = "model.onnx", "model.onnx.data"
 # SimplifiedLayerNormalization is an onnxruntime contrib op registered in the ONNX domain.
 _MS_OPS = ("GroupQueryAttention", "SkipSimplifiedLayerNormalization")
+WRITER_PRECISIONS = ("fp32", "fp16")
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
@@ -51,11 +52,15 @@ def write_drafter(
     fmt: str = "genai",
     max_context: int = DEFAULT_MAX_CONTEXT,
     overwrite: bool = True,
+    precision: str = "fp32",
 ) -> Path:
-    """Write an fp32 drafter folder for the Qwen3 checkpoint in `hf_dir`; return `out_dir`.
+    """Write a drafter folder (fp32, or fp16 for CUDA: see `to_float16`) for the Qwen3
+    checkpoint in `hf_dir`; return `out_dir`.
 
     Same contract as `export.export_drafter` (the folder appears whole or not at all).
     """
+    if precision not in WRITER_PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; one of {', '.join(WRITER_PRECISIONS)}")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
@@ -71,24 +76,65 @@ def write_drafter(
         staging = Path(tmp) / "drafter"
         staging.mkdir()
         model = build_model(config, read_safetensors(hf_dir), context)
-        onnx.save(
-            model,
-            str(staging / MODEL_FILE),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=DATA_FILE,
-            size_threshold=1024,  # shape constants stay inline: shape inference reads them
-        )
-        (staging / DATA_FILE).chmod(0o644)  # onnx creates it private; the folder is shared
+        save_graph(to_float16(model) if precision == "fp16" else model, staging)
         config.pad_token_id = _pad_token_id(hf_dir, config)
         (staging / "genai_config.json").write_text(
             json.dumps(genai_config(config, context), indent=4) + "\n"
         )
-        finish_drafter_folder(hf_dir, staging, fmt, "fp32", max_context)
+        finish_drafter_folder(hf_dir, staging, fmt, precision, max_context)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
-    log.info("drafter (%s, fp32, written without PyTorch) in %s", fmt, out_dir)
+    log.info("drafter (%s, %s, written without PyTorch) in %s", fmt, precision, out_dir)
+    return out_dir
+
+
+def save_graph(model: onnx.ModelProto, folder: Path) -> None:
+    """model.onnx with its weights in model.onnx.data beside it."""
+    onnx.save(
+        model,
+        str(folder / MODEL_FILE),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=DATA_FILE,
+        size_threshold=1024,  # shape constants stay inline: shape inference reads them
+    )
+    (folder / DATA_FILE).chmod(0o644)  # onnx creates it private; the folder is shared
+
+
+def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every float32 weight, input and output as float16 (the ops this writer uses are
+    all type-generic; the norms keep their float32 stash type).
+
+    ONNX Runtime's CUDA provider has GroupQueryAttention for fp16 and bf16 only: in an
+    fp32 graph attention falls back to the CPU, and the whole KV cache crosses PCIe
+    twice a step (docs/BENCHMARKS.md: 236 ms a step on an H100 against 29 ms on 8 CPU
+    cores for the 0.6B shape)."""
+    graph = model.graph
+    for index, tensor in enumerate(graph.initializer):
+        if tensor.data_type == TensorProto.FLOAT:
+            half = numpy_helper.to_array(tensor).astype(np.float16)
+            graph.initializer[index].CopyFrom(numpy_helper.from_array(half, tensor.name))
+    for value in (*graph.input, *graph.output):
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    return model
+
+
+def float16_copy(folder: str | Path, out_dir: str | Path) -> Path:
+    """`out_dir`: the drafter folder `folder` (written by this module, fp32) with its
+    graph in fp16, for the CUDA provider; the other files copied as they are."""
+    folder, out_dir = Path(folder), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in folder.iterdir():
+        if path.is_file() and path.name not in (MODEL_FILE, DATA_FILE):
+            shutil.copy2(path, out_dir / path.name)
+    save_graph(to_float16(onnx.load(str(folder / MODEL_FILE))), out_dir)
+    facts = out_dir / "npu_draft.json"
+    if facts.is_file():
+        data = json.loads(facts.read_text())
+        data["precision"] = "fp16"
+        facts.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return out_dir
 
 

@@ -122,12 +122,17 @@ STRIX=(--context 512 --prompt-ids gen-lru,chat-travel --modes plain,oracle -k 4 
   --proxy-variant 'defaults=')
 VK_DESCRIPTION="NVIDIA H200, Vulkan, llama.cpp b11434, Qwen3-14B-shape f16 target, -fa on"
 make_models() {  # the 14B-shape target in /tmp/m14, in the background (/tmp/models.done);
-  # DRAFTER=1: also the proxy's drafter folder (the same draft function, fp32 ONNX)
-  local no_drafter=--no-drafter
-  [ "${DRAFTER:-0}" = 1 ] && no_drafter=
+  # DRAFTER=1: also the proxy's drafter folder (the same draft function, fp32 ONNX) and
+  # its fp16 copy in /tmp/m14/draft16 for CUDA (ONNX Runtime's CUDA attention takes no fp32)
+  local no_drafter=--no-drafter half=true
+  if [ "${DRAFTER:-0}" = 1 ]; then
+    no_drafter=
+    half="python3 -c 'from npu_draft.onnx_writer import float16_copy
+float16_copy(\"/tmp/m14/draft\", \"/tmp/m14/draft16\")'"
+  fi
   setsid nohup bash -c "python3 -m proxy.cli make-models /tmp/m14 --target-shape qwen3-14b \
     --draft noisy:0.025 --draft-shape qwen3-0.6b --draft-dtype q8_0 $no_drafter \
-    && touch /tmp/models.done" > /tmp/models.log 2>&1 < /dev/null &
+    && $half && touch /tmp/models.done" > /tmp/models.log 2>&1 < /dev/null &
 }
 ort_gpu() {  # [SECONDS]: onnxruntime-gpu (CUDA 13 build), whose wheel is over one call's
   # carry, from the parts that calls carry one each into .ortgpu/ (scripts/ort_gpu_parts.sh;
@@ -166,7 +171,12 @@ batch_cost() {  # NAME OPTIONS...: issue 29 item 3 (after ort_gpu): one table of
     || echo "batch cost $1 FAILED"
 }
 drafter_batches() {  # PROVIDERS...: batch_cost of the 0.6B-shape drafter folder in /tmp/m14
-  for provider in "$@"; do batch_cost "$provider" /tmp/m14/draft --provider "$provider" --repeats 7; done
+  # (fp16 for cuda, fp32 for cpu)
+  local folder
+  for provider in "$@"; do
+    folder=/tmp/m14/draft; [ "$provider" = cuda ] && folder=/tmp/m14/draft16
+    batch_cost "$provider" "$folder" --provider "$provider" --repeats 7
+  done
 }
 start_with_vulkan() {  # start, with the Vulkan build (VK_JOBS jobs) beside it; waits for both
   install_sources
@@ -226,8 +236,9 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
   # CUDA_DRAFTER=1 (after ort_gpu, with BUILTIN=1): the real drafter in the same run, on
   # CUDA with the defaults and always speculating, and with the defaults on the host CPU
   # (HOST_CPU_DRAFTER=0: not on the host CPU)
-  local drafter=(--proxy-variant 'cuda=--log-rounds'
-    --proxy-variant 'cudaspec=--plain-runs off --log-rounds') drafter_names=cuda,cudaspec
+  local drafter=(--proxy-variant 'cuda=--drafter /tmp/m14/draft16 --log-rounds'
+    --proxy-variant 'cudaspec=--drafter /tmp/m14/draft16 --plain-runs off --log-rounds')
+  local drafter_names=cuda,cudaspec
   if [ "${HOST_CPU_DRAFTER:-1}" = 1 ]; then
     drafter+=(--proxy-variant 'cpu=--provider cpu --log-rounds'); drafter_names+=,cpu
   fi

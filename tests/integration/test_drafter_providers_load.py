@@ -19,6 +19,7 @@ from npu_draft.genai import GenaiDraftModel, GenaiDraftSession
 from npu_draft.load import load_drafter
 from npu_draft.ngram import CombinedDraftModel, NgramDraftModel
 from npu_draft.onnx_runner import OnnxDraftModel, OnnxDraftSession
+from npu_draft.onnx_writer import float16_copy
 from npu_draft.providers import ProviderMismatch, ProviderUnavailable
 from npu_draft.tokenizer_check import (
     TokenizerMismatch,
@@ -64,6 +65,43 @@ def test_provider_that_onnx_runtime_drops_is_refused(draft_dir: Path, monkeypatc
     monkeypatch.setattr(providers, "available_providers", lambda: listed)
     with pytest.raises(ProviderUnavailable, match="did not start VitisAIExecutionProvider"):
         load_drafter(draft_dir, "auto", backend="onnx", max_context=64)
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider'")
+def test_fp32_graph_drafts_on_the_cpu_rather_than_cuda(
+    draft_dir: Path, monkeypatch, caplog
+) -> None:
+    # CUDA listed (this machine has none): ONNX Runtime's CUDA attention takes no fp32,
+    # so `auto` keeps an fp32 graph on the CPU; an explicit `cuda` is tried, with the
+    # reason in the log (here it then fails to start, as CUDA is not really there)
+    listed = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(providers, "available_providers", lambda: listed)
+    with caplog.at_level(logging.WARNING):
+        model = load_drafter(draft_dir, "auto", backend="onnx", max_context=64)
+    assert model.info.provider == "cpu"
+    assert any("fp32 graph" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(ProviderUnavailable):
+        load_drafter(draft_dir, "cuda", backend="onnx", max_context=64)
+    assert any("--precision fp16" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider'")
+def test_fp16_copy_keeps_cuda_and_drafts_like_fp32(
+    draft_dir: Path, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    half = float16_copy(draft_dir, tmp_path / "draft16")
+    assert json.loads((half / "npu_draft.json").read_text())["precision"] == "fp16"
+    fp32 = load_drafter(draft_dir, "cpu", backend="onnx", max_context=64)
+    fp16 = load_drafter(half, "cpu", backend="onnx", max_context=64)
+    prompt = providers.probe_tokens(fp32.info.vocab_size)
+    wide, narrow = (model.open_session()._forward(prompt, 0) for model in (fp32, fp16))
+    assert np.abs(narrow - wide).max() < 1e-2 * np.abs(wide).max()  # fp16 rounding only
+    listed = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(providers, "available_providers", lambda: listed)
+    with caplog.at_level(logging.WARNING), pytest.raises(ProviderUnavailable, match="CUDA"):
+        load_drafter(half, "auto", backend="onnx", max_context=64)  # auto stays on CUDA
+    assert not any("fp32 graph" in r.getMessage() for r in caplog.records)
 
 
 def _perturb_first_step(monkeypatch, backend: str) -> None:
@@ -125,6 +163,17 @@ def test_genai_config_provider_is_used_or_overridden(
     with pytest.raises(ProviderUnavailable):
         load_drafter(folder, "npu", max_context=64)
     assert load_drafter(folder, "cpu", max_context=64).info.provider == "cpu"
+
+
+def test_genai_folder_runs_on_the_onnx_backend_without_genai(
+    draft_dir: Path, monkeypatch, caplog
+) -> None:
+    # a GPU host's onnxruntime-gpu without onnxruntime-genai: the same graph, onnx backend
+    monkeypatch.setattr("npu_draft.load.genai_installed", lambda: False)
+    with caplog.at_level(logging.INFO):
+        model = load_drafter(draft_dir, max_context=64)
+    assert isinstance(model, OnnxDraftModel) and model.info.backend == "onnx"
+    assert any("onnxruntime-genai is not installed" in r.getMessage() for r in caplog.records)
 
 
 def test_backend_is_chosen_from_folder_contents(draft_dir: Path, tmp_path: Path) -> None:

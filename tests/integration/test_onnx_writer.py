@@ -17,7 +17,7 @@ import pytest
 
 from npu_draft.export import ExportError, export_drafter
 from npu_draft.load import load_drafter
-from npu_draft.onnx_writer import write_drafter
+from npu_draft.onnx_writer import float16_copy, write_drafter
 from npu_draft.tokenizer_check import PROBE_TEXT, DrafterManifest
 
 torch = pytest.importorskip("torch")
@@ -268,3 +268,24 @@ def test_export_drafter_without_torch_writes_fp32_and_explains_int4(tmp_path: Pa
     expected = write_drafter(checkpoint, tmp_path / "direct", fmt="onnx")
     for name in ("model.onnx", "model.onnx.data", "npu_draft.json"):
         assert (tmp_path / "fp32" / name).read_bytes() == (expected / name).read_bytes(), name
+
+
+def test_fp16_export_is_the_fp32_graph_in_half_precision(tmp_path: Path) -> None:
+    # for the CUDA provider, whose GroupQueryAttention takes no fp32; written by the writer
+    # even where the builder could run, and the same as converting an fp32 folder
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt", tied=False, dtype=torch.float32)
+    half = export_drafter(checkpoint, tmp_path / "fp16", fmt="onnx", precision="fp16")
+    manifest = DrafterManifest.read(half)
+    assert manifest is not None and manifest.precision == "fp16"
+    graph = onnx.load(str(half / "model.onnx"), load_external_data=False).graph
+    past = next(i for i in graph.input if i.name == "past_key_values.0.key")
+    assert past.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    converted = float16_copy(write_drafter(checkpoint, tmp_path / "fp32", fmt="onnx"),
+                             tmp_path / "converted")  # fmt: skip
+    for name in ("model.onnx", "model.onnx.data", "npu_draft.json"):
+        assert (half / name).read_bytes() == (converted / name).read_bytes(), name
+    prompt = np.random.default_rng(5).integers(3, 1000, 12).tolist()
+    session = load_drafter(half, "cpu", max_context=64).open_session()
+    session.sync(prompt)
+    full = reference_logits(checkpoint, prompt)
+    np.testing.assert_allclose(session.next_logits(), full[-1], rtol=2e-2, atol=2e-2)
