@@ -96,6 +96,10 @@
 #           s31`; the next six carry one part each ([".ortgpu/part-N"]) and run `collect
 #           s31 20`, back to back (a machine idle for 30 s goes back), while `start` builds
 #   s31a    s31 cut to ~700 s: no second flips, no host-CPU drafter, no chats or Strix cell
+#   s32     after s31 (an H100, session 32): the real drafter's rows alone (CUDA from the fp16
+#           copy /tmp/m14/draft16, and the host CPU) beside plain, llama.cpp's drafting and
+#           the oracle with auto, then the draft step for B sequences; the Strix 14B chats
+#           beside; the same calls as s31
 #   ortcheck  onnxruntime-gpu carried in parts, and a CUDA draft step for B sequences
 #           alone; its first call carries [".whl-gguf", ".ortgpu/SHA256", ".ortgpu/part-0"]
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
@@ -716,6 +720,19 @@ case "$STAGE" in
     HOST_CPU_DRAFTER=0 CUDA_DRAFTER=$cuda BUILTIN=1 spec_ab auto 'auto=' 'off=--pad-rounds off'
     ab_summaries
     [ "$cuda" = 1 ] && drafter_batches cuda
+    ;;
+  s32)  # the real drafter's rows after s31's fixes (~1,000 s): the drafter on CUDA from its
+        # fp16 copy (defaults, always speculating) and on the host CPU, beside plain,
+        # llama.cpp's drafting and the oracle with --pad-rounds auto; the draft step for B
+        # sequences on CUDA (fp16) and the host CPU; the Strix Halo 14B chats beside
+    DRAFTER=1 bash scripts/h200_regime_run.sh start
+    strix14 . 8-15 chat-s32 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
+    cuda=0
+    ort_gpu 240 && cuda=1
+    CUDA_DRAFTER=$cuda BUILTIN=1 spec_ab auto 'auto='
+    [ "$cuda" = 1 ] && drafter_batches cuda cpu
+    wait
+    grep -v "INFO proxy" /tmp/emu-a.log
     ;;
   ortcheck)  # onnxruntime-gpu from the .ortgpu parts (.ortgpu/SHA256; the first call carries
              # .whl-gguf, gguf's wheel alone, to leave room for a part), then issue 29 item
