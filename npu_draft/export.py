@@ -65,8 +65,8 @@ def export_drafter(
         raise ExportError(f"{hf_dir} is not a Hugging Face checkpoint folder (no config.json)")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ExportError(f"{out_dir} exists and is not empty (use --force to replace it)")
-    # fp16 (for CUDA) always from the writer: the builder's fp16 graph targets its CUDA
-    # execution provider, and the writer's is the same graph op for op
+    # fp16 (for CUDA) always from the writer: the builder's fp32 graph op for op, in half
+    # precision, so both precisions run on the same backends
     writer = precision == "fp16" or (precision == "fp32" and _missing_builder_dependencies())
     if writer and last_position_logits:
         from npu_draft.onnx_writer import write_drafter  # the same graph, without PyTorch

@@ -42,11 +42,11 @@ from npu_draft.protocol import (
 from npu_draft.sampling import draft_next
 from npu_draft.tokenizer_check import DrafterManifest
 
+log = logging.getLogger(__name__)
+
 # Prefill runs in chunks. A graph that emits logits for every input position would
 # otherwise make a 2.5 GB tensor at 4k positions x 152k vocabulary; one trimmed to
 # the last position (what export-drafter writes) only bounds attention scratch.
-log = logging.getLogger(__name__)
-
 PREFILL_CHUNK = 128
 PREFILL_CHUNK_LAST_POSITION = 512
 
