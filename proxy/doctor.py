@@ -57,12 +57,16 @@ def onnxruntime_report() -> list[str]:
     else:
         lines.append(
             f"  NPU: no ({NPU_PROVIDER} is not in this onnxruntime build; drafters run on "
-            + ("CUDA" if "CUDAExecutionProvider" in providers else "the CPU")
+            + (
+                "CUDA (fp16 drafters; fp32 ones on the CPU)"
+                if "CUDAExecutionProvider" in providers
+                else "the CPU"
+            )
             + ")"
         )
     genai = _version("onnxruntime-genai") or _version("onnxruntime-genai-cuda")
     lines.append(
-        f"onnxruntime-genai: {genai or 'not installed (the genai drafter backend is off)'}"
+        f"onnxruntime-genai: {genai or 'not installed (genai folders run on the onnx backend)'}"
     )
     return lines
 
