@@ -132,14 +132,14 @@ class OnnxDraftModel(OrtDraftModel):
     ) -> None:
         self.folder = Path(folder)
         self.spec = DecoderSpec.from_folder(self.folder)
-        kv_type = _require_shared_buffer_attention(self.folder / self.spec.filename, self.spec)
+        fp32_cache = _require_shared_buffer_attention(self.folder / self.spec.filename, self.spec)
         self.max_context = session_context(self.folder, max_context, self.spec.context_length)
         self.choice = _attention_provider(
             providers.choose_provider(
                 provider, config_file=config_file, cache_dir=cache_dir, cache_key=cache_key
             ),
             provider,
-            kv_type,
+            fp32_cache,
             self.folder,
         )
         options = ort.SessionOptions()
@@ -266,14 +266,15 @@ class OnnxDraftSession(OrtDraftSession):
         self._binding = None  # type: ignore[assignment]
 
 
-def _require_shared_buffer_attention(model_path: Path, spec: DecoderSpec) -> int | None:
+def _require_shared_buffer_attention(model_path: Path, spec: DecoderSpec) -> bool:
     """Refuse graphs whose past keys feed something other than GroupQueryAttention;
-    return the past keys' ONNX element type (None where the graph does not say)."""
+    return whether the past keys are fp32."""
     import onnx
 
     graph = onnx.load(str(model_path), load_external_data=False).graph
     past = spec.past_key % 0
     kv_type = next((i.type.tensor_type.elem_type for i in graph.input if i.name == past), None)
+    fp32_cache = kv_type == onnx.TensorProto.FLOAT
     consumers = {node.op_type for node in graph.node if past in node.input}
     if consumers and consumers != {"GroupQueryAttention"}:
         raise ValueError(
@@ -281,20 +282,18 @@ def _require_shared_buffer_attention(model_path: Path, spec: DecoderSpec) -> int
             f"past and present cannot share one buffer; re-export with "
             f"`npu-spec export-drafter HF_DIR OUT --format onnx`"
         )
-    return kv_type
+    return fp32_cache
 
 
 def _attention_provider(
-    choice: providers.ProviderChoice, requested: str, kv_type: int | None, folder: Path
+    choice: providers.ProviderChoice, requested: str, fp32_cache: bool, folder: Path
 ) -> providers.ProviderChoice:
     """ONNX Runtime's CUDA GroupQueryAttention takes fp16 and bf16 only. In an fp32 graph
     attention falls back to the CPU and the whole KV cache crosses PCIe twice a step:
     236 ms a step for the 0.6B shape on an H100 against 29 ms on 8 of its CPU cores
     (docs/BENCHMARKS.md). `auto` then drafts on the CPU; an explicit `cuda` is kept,
     with the reason and the fix in the log."""
-    import onnx
-
-    if choice.name != "cuda" or kv_type != onnx.TensorProto.FLOAT:
+    if choice.name != "cuda" or not fp32_cache:
         return choice
     why = (
         f"{folder} is an fp32 graph: on CUDA its attention runs on the CPU with the KV cache "

@@ -20,6 +20,7 @@ exported one (genai_config.json or not, tokenizer files, npu_draft.json).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -34,6 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npu_draft.drafter_folder import FORMATS, ExportError, finish_drafter_folder
 from npu_draft.ort_backend import DEFAULT_MAX_CONTEXT
+from npu_draft.tokenizer_check import DrafterManifest
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +132,9 @@ def float16_copy(folder: str | Path, out_dir: str | Path) -> Path:
         if path.is_file() and path.name not in (MODEL_FILE, DATA_FILE):
             shutil.copy2(path, out_dir / path.name)
     save_graph(to_float16(onnx.load(str(folder / MODEL_FILE))), out_dir)
-    facts = out_dir / "npu_draft.json"
-    if facts.is_file():
-        data = json.loads(facts.read_text())
-        data["precision"] = "fp16"
-        facts.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    manifest = DrafterManifest.read(out_dir)
+    if manifest is not None:
+        dataclasses.replace(manifest, precision="fp16").write(out_dir)
     return out_dir
 
 

@@ -29,6 +29,7 @@ from npu_draft.tokenizer_check import (
 )
 
 BACKENDS = ["onnx", "genai"]
+WITH_CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]  # listed; this machine has none
 # Where each backend's logits come out, and how it builds its CPU reference.
 LOGITS_SOURCE = {
     "onnx": (OnnxDraftSession, "_forward", OnnxDraftModel),
@@ -74,8 +75,7 @@ def test_fp32_graph_drafts_on_the_cpu_rather_than_cuda(
     # CUDA listed (this machine has none): ONNX Runtime's CUDA attention takes no fp32,
     # so `auto` keeps an fp32 graph on the CPU; an explicit `cuda` is tried, with the
     # reason in the log (here it then fails to start, as CUDA is not really there)
-    listed = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    monkeypatch.setattr(providers, "available_providers", lambda: listed)
+    monkeypatch.setattr(providers, "available_providers", lambda: WITH_CUDA)
     with caplog.at_level(logging.WARNING):
         model = load_drafter(draft_dir, "auto", backend="onnx", max_context=64)
     assert model.info.provider == "cpu"
@@ -97,8 +97,7 @@ def test_fp16_copy_keeps_cuda_and_drafts_like_fp32(
     prompt = providers.probe_tokens(fp32.info.vocab_size)
     wide, narrow = (model.open_session()._forward(prompt, 0) for model in (fp32, fp16))
     assert np.abs(narrow - wide).max() < 1e-2 * np.abs(wide).max()  # fp16 rounding only
-    listed = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    monkeypatch.setattr(providers, "available_providers", lambda: listed)
+    monkeypatch.setattr(providers, "available_providers", lambda: WITH_CUDA)
     with caplog.at_level(logging.WARNING), pytest.raises(ProviderUnavailable, match="CUDA"):
         load_drafter(half, "auto", backend="onnx", max_context=64)  # auto stays on CUDA
     assert not any("fp32 graph" in r.getMessage() for r in caplog.records)
