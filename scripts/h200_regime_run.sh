@@ -100,6 +100,7 @@
 #           copy /tmp/m14/draft16, and the host CPU) beside plain, llama.cpp's drafting and
 #           the oracle with auto, then the draft step for B sequences; the Strix 14B chats
 #           beside; the same calls as s31
+#   s32a    s32 cut to ~700 s: the real drafter on CUDA only, its draft step on CUDA only
 #   ortcheck  onnxruntime-gpu carried in parts, and a CUDA draft step for B sequences
 #           alone; its first call carries [".whl-gguf", ".ortgpu/SHA256", ".ortgpu/part-0"]
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
@@ -731,6 +732,17 @@ case "$STAGE" in
     ort_gpu 240 && cuda=1
     CUDA_DRAFTER=$cuda BUILTIN=1 spec_ab auto 'auto='
     [ "$cuda" = 1 ] && drafter_batches cuda cpu
+    wait
+    grep -v "INFO proxy" /tmp/emu-a.log
+    ;;
+  s32a)  # s32 cut to ~700 s: the real drafter on CUDA only (no host-CPU variant, no CPU
+         # draft step: s31 measured both), the Strix Halo 14B chats beside
+    DRAFTER=1 bash scripts/h200_regime_run.sh start
+    strix14 . 8-15 chat-s32 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
+    cuda=0
+    ort_gpu 240 && cuda=1
+    HOST_CPU_DRAFTER=0 CUDA_DRAFTER=$cuda BUILTIN=1 spec_ab auto 'auto='
+    [ "$cuda" = 1 ] && drafter_batches cuda
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
     ;;
