@@ -100,7 +100,8 @@
 #           copy /tmp/m14/draft16, and the host CPU) beside plain, llama.cpp's drafting and
 #           the oracle with auto, then the draft step for B sequences; the Strix 14B chats
 #           beside; the same calls as s31
-#   s32a    s32 cut to ~700 s: the real drafter on CUDA only, its draft step on CUDA only
+#   s32a    s32 cut to ~800 s: the real drafter on CUDA only, its draft step on CUDA only;
+#           then 512-token cold answers always speculating (auto) against plain
 #   ortcheck  onnxruntime-gpu carried in parts, and a CUDA draft step for B sequences
 #           alone; its first call carries [".whl-gguf", ".ortgpu/SHA256", ".ortgpu/part-0"]
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
@@ -229,7 +230,8 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
   # gets --plain-runs off --log-rounds), the PROMPTS at 512, checked exactly (cores 0-7);
   # each round's line from the proxies' logs to $OUT. BUILTIN=1: llama.cpp's own
   # drafting beside them (the fair builtin: the 0.6B-shape draft on the GPU, k = 6);
-  # SUB_BRANCHES=N: the oracle also follows N second flips per branch
+  # SUB_BRANCHES=N: the oracle also follows N second flips per branch; N_TOKENS: the
+  # answer's length (128)
   local name="$1" prompts="$2" repeats="$3"; shift 3
   local variants=() modes=(--modes plain,oracle) names=""
   for v in "$@"; do
@@ -251,7 +253,7 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
     --builtin-args='-ngld 99' --provider cuda "${drafter[@]}"
     --proxy-mode-variants "$drafter_names" --oracle-mode-variants "$names")
   taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
-    --server-args='-ngl 99 -fa on' --context 512 -n 128 --prompt-ids "$prompts" \
+    --server-args='-ngl 99 -fa on' --context 512 -n "${N_TOKENS:-128}" --prompt-ids "$prompts" \
     "${modes[@]}" -k 6 --repeats "$repeats" --ceiling-ks 1,2,3,4,6 \
     --oracle-sub-branches "${SUB_BRANCHES:-0}" \
     --oracle-acceptance 0.77 --oracle-delay-steps 0.12 "${variants[@]}" --exact-check all \
@@ -735,14 +737,19 @@ case "$STAGE" in
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
     ;;
-  s32a)  # s32 cut to ~700 s: the real drafter on CUDA only (no host-CPU variant, no CPU
-         # draft step: s31 measured both), the Strix Halo 14B chats beside
+  s32a)  # s32 cut to ~800 s: the real drafter on CUDA only (no host-CPU variant, no CPU
+         # draft step: s31 measured both), the Strix Halo 14B chats beside; then 512-token
+         # answers, always speculating with auto, against plain
     DRAFTER=1 bash scripts/h200_regime_run.sh start
     strix14 . 8-15 chat-s32 --turns 3 -n 400 > /tmp/emu-a.log 2>&1 &
     cuda=0
     ort_gpu 240 && cuda=1
     HOST_CPU_DRAFTER=0 CUDA_DRAFTER=$cuda BUILTIN=1 spec_ab auto 'auto='
     [ "$cuda" = 1 ] && drafter_batches cuda
+    # a cold answer of 512 tokens: the fill spread over four times the rounds
+    N_TOKENS=512 SUB_BRANCHES=2 spec_cells long gen-lru,chat-travel 1 'auto='
+    python3 scripts/round_log_summary.py --fill "$OUT/h200-spec-long.json" \
+      "$OUT"/rounds-long-*-auto.log || true
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
     ;;
