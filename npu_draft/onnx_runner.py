@@ -129,6 +129,7 @@ class OnnxDraftModel(OrtDraftModel):
         cache_dir: str | None = None,
         cache_key: str | None = None,
         prefill_chunk: int | None = None,
+        profile_prefix: str | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.spec = DecoderSpec.from_folder(self.folder)
@@ -145,6 +146,10 @@ class OnnxDraftModel(OrtDraftModel):
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or providers.default_threads()
         options.log_severity_level = 3  # ORT's warnings about unused initializers are noise
+        if profile_prefix:  # ONNX Runtime's own per-node timings (scripts/drafter_profile.py)
+            options.enable_profiling = True
+            options.profile_file_prefix = profile_prefix
+        self.profile_path: Path | None = None  # the profile's file, once `close` wrote it
         self.session = ort.InferenceSession(
             str(self.folder / self.spec.filename),
             options,
@@ -173,6 +178,8 @@ class OnnxDraftModel(OrtDraftModel):
         return {"prefill_chunk": self.prefill_chunk}
 
     def close(self) -> None:
+        if self.session is not None and self.session.get_session_options().enable_profiling:
+            self.profile_path = Path(self.session.end_profiling())
         self.session = None  # type: ignore[assignment]
 
 

@@ -102,6 +102,8 @@
 #           beside; the same calls as s31
 #   s32a    s32 cut to ~800 s: the real drafter on CUDA only, its draft step on CUDA only;
 #           then 512-token cold answers always speculating (auto) against plain
+#   drafterprof  the real drafter's time node by node on CUDA and the host CPU, no
+#           llama-server (~300 s; the calls of s31)
 #   ortcheck  onnxruntime-gpu carried in parts, and a CUDA draft step for B sequences
 #           alone; its first call carries [".whl-gguf", ".ortgpu/SHA256", ".ortgpu/part-0"]
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
@@ -752,6 +754,28 @@ case "$STAGE" in
       "$OUT"/rounds-long-*-auto.log || true
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
+    ;;
+  drafterprof)  # the real drafter's time node by node (scripts/drafter_profile.py): the
+                # 0.6B-shape drafter beside a small target (no llama-server), on CUDA from
+                # its fp16 copy at 512 and 4k, at 512 a token per run, and on 8 host cores
+                # (fp32); then bench_drafter's prefill and re-sync on CUDA (~300 s; the
+                # calls of s31: .whl, .llama-src and .ortgpu/SHA256 first, then a part each)
+    install_sources
+    python3 -m proxy.cli make-models /tmp/md --target-shape small --draft-shape qwen3-0.6b \
+      --draft noisy:0.025 > /tmp/md.log 2>&1 || { tail -20 /tmp/md.log; exit 1; }
+    python3 -c "from npu_draft.onnx_writer import float16_copy
+float16_copy('/tmp/md/draft', '/tmp/md/draft16')"
+    ort_gpu 420
+    profile() {  # NAME FOLDER OPTIONS...
+      taskset -c 0-7 python3 scripts/drafter_profile.py "$2" "${@:3}" \
+        -o "$OUT/h200-drafter-profile-$1.json" || echo "profile $1 FAILED"
+    }
+    profile cuda-512 /tmp/md/draft16 --provider cuda --length 512
+    profile cuda-4096 /tmp/md/draft16 --provider cuda --length 4096
+    profile cuda-512-chunk1 /tmp/md/draft16 --provider cuda --length 512 --prefill-chunk 1
+    profile cpu-512 /tmp/md/draft --provider cpu --length 512
+    taskset -c 0-7 python3 scripts/bench_drafter.py --drafter /tmp/md/draft16 --backends onnx \
+      --provider cuda --contexts 128,512,4096 || echo "bench_drafter FAILED"
     ;;
   ortcheck)  # onnxruntime-gpu from the .ortgpu parts (.ortgpu/SHA256; the first call carries
              # .whl-gguf, gguf's wheel alone, to leave room for a part), then issue 29 item
