@@ -83,8 +83,9 @@ def main() -> None:
     parser.add_argument("--provider", default="auto")
     parser.add_argument("--length", type=int, default=512, help="prompt tokens")
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--prefill-chunk", type=int, default=None,
-                        help="tokens per run while taking a prompt in (the runner's default)")  # fmt: skip
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=None, help="tokens a run while taking a prompt in"
+    )
     parser.add_argument("-o", "--output", type=Path, help="write the summary as JSON")
     args = parser.parse_args()
 
@@ -135,8 +136,9 @@ def main() -> None:
         "placement": placement(nodes),
     }
     print(f"drafter {args.drafter} on {provider}; {args.length} tokens in runs of {chunk}")
+    step_ms = walls["steps"] / args.steps
     print(f"wall ms: warm-up prefill {walls['warm-up']:.1f}, prefill {walls['prefill']:.1f}, "
-          f"{args.steps} steps {walls['steps']:.1f} ({walls['steps'] / args.steps:.2f} a step)")  # fmt: skip
+          f"{args.steps} steps {walls['steps']:.1f} ({step_ms:.2f} a step)")  # fmt: skip
     for phase in ("prefill", "steps"):
         part = result[phase]
         print(f"{phase}: {part['runs']} runs, {part['run_ms']} ms in runs; "
