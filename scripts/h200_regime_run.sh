@@ -104,6 +104,7 @@
 #           then 512-token cold answers always speculating (auto) against plain
 #   drafterprof  the real drafter's time node by node on CUDA and the host CPU, no
 #           llama-server (~300 s; the calls of s31)
+#   drafterquick  drafterprof cut to ~200 s: a random-weight fp16 drafter, CUDA at 512 only
 #   ortcheck  onnxruntime-gpu carried in parts, and a CUDA draft step for B sequences
 #           alone; its first call carries [".whl-gguf", ".ortgpu/SHA256", ".ortgpu/part-0"]
 #   strix14 TREE CORES NAME OPTIONS...  one Strix Halo 14B cell run from the checkout TREE
@@ -776,6 +777,28 @@ float16_copy('/tmp/md/draft', '/tmp/md/draft16')"
     profile cpu-512 /tmp/md/draft --provider cpu --length 512
     taskset -c 0-7 python3 scripts/bench_drafter.py --drafter /tmp/md/draft16 --backends onnx \
       --provider cuda --contexts 128,512,4096 || echo "bench_drafter FAILED"
+    ;;
+  drafterquick)  # drafterprof's first answer in ~200 s: a random-weight 0.6B-shape fp16
+                 # drafter (the writer's graph, as make-models exports it) profiled on CUDA
+                 # at 512, in runs of 512 and of one token (the first call carries .whl and
+                 # .ortgpu/SHA256, the next six a part each)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/site .whl/*.whl
+    python3 -c "import json
+from pathlib import Path
+from npu_draft.batch_step import random_drafter
+from npu_draft.factory.shapes import DRAFT_SHAPES
+shape, folder = DRAFT_SHAPES['qwen3-0.6b'], Path('/tmp/rd16')
+random_drafter(shape, folder, context=4096, float16=True)
+decoder = {'num_layers': shape.layers, 'num_kv_heads': shape.kv_heads,
+           'head_dim': shape.head_dim, 'vocab_size': shape.vocab, 'context_length': 4096}
+(folder / 'npu_draft.json').write_text(json.dumps({'decoder': decoder}))"
+    ort_gpu 200
+    for chunk in 512 1; do
+      python3 scripts/drafter_profile.py /tmp/rd16 --provider cuda --length 512 \
+        --prefill-chunk "$chunk" -o "$OUT/h200-drafter-profile-cuda-512-chunk$chunk.json" \
+        || echo "profile chunk $chunk FAILED"
+    done
     ;;
   ortcheck)  # onnxruntime-gpu from the .ortgpu parts (.ortgpu/SHA256; the first call carries
              # .whl-gguf, gguf's wheel alone, to leave room for a part), then issue 29 item
