@@ -1,9 +1,16 @@
 """AsyncDraftSession: a DraftSession driven from asyncio without blocking the loop.
 
-All calls run, in submission order, on ONE dedicated worker thread per session: the
-session's cache is not thread-safe, and ONNX Runtime releases the GIL while it
-computes, so the event loop keeps serving other requests (and verification of the
-previous round) while the drafter works.
+All calls run, in submission order, on ONE worker thread that the session holds while
+it is open: the session's cache is not thread-safe, and ONNX Runtime releases the GIL
+while it computes, so the event loop keeps serving other requests (and verification of
+the previous round) while the drafter works.
+
+The worker threads outlive the sessions: a closed session hands its thread to the next
+one. ONNX Runtime's CUDA provider builds a context for each thread that runs a session
+(cuBLAS, cuBLASLt and cuDNN handles) and drops it when the thread ends. With a fresh
+thread per session every request paid that again: on an H100 each generation's first
+draft waited 2.2-3.5 s for a 513-token prompt that a warm thread takes in 7.6 ms
+(docs/BENCHMARKS.md, "The real drafter on CUDA").
 
 Cancelling: set the CancelToken passed to `propose` (or cancel the awaiting task);
 the worker stops after the token it is computing, and `propose` raises
@@ -13,6 +20,7 @@ DraftCancelled. Calls queued after a cancelled draft run as soon as it stops.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -32,10 +40,45 @@ from npu_draft.protocol import (
 T = TypeVar("T")
 
 
+class _Workers:
+    """Single-thread executors lent to sessions and taken back at close, never shut
+    down: there are as many threads as sessions were ever open at once."""
+
+    def __init__(self) -> None:
+        self._idle: list[ThreadPoolExecutor] = []
+        self._lock = threading.Lock()
+        self.created = 0
+
+    def lend(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            self.created += 1
+            return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"npu-draft-{self.created}")
+
+    def take_back(self, worker: ThreadPoolExecutor) -> None:
+        """After the session's last call was queued: a later lessee's calls run after it."""
+        with self._lock:
+            self._idle.append(worker)
+
+
+WORKERS = _Workers()
+
+
+def run_on_worker(fn: Callable[[], T]) -> T:
+    """`fn()` on a lent worker thread, waited for: a drafter warmed up there leaves that
+    thread's runtime state (the CUDA provider's handles) ready for the next session."""
+    worker = WORKERS.lend()
+    try:
+        return worker.submit(fn).result()
+    finally:
+        WORKERS.take_back(worker)
+
+
 class AsyncDraftSession:
-    def __init__(self, session: DraftSession, name: str = "draft") -> None:
+    def __init__(self, session: DraftSession) -> None:
         self._session = session
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"npu-{name}")
+        self._worker = WORKERS.lend()
         self._tokens: tuple[int, ...] = tuple(session.tokens)
         self._closed = False
 
@@ -87,6 +130,9 @@ class AsyncDraftSession:
     async def close(self) -> None:
         if self._closed:
             return
-        await self._call(self._session.close)
-        self._closed = True
-        self._worker.shutdown(wait=False)
+        self._closed = True  # no call is queued after the close
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._worker, self._tracked, self._session.close)
+        finally:  # even when cancelled: the close is queued, and runs first
+            WORKERS.take_back(self._worker)

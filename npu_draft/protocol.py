@@ -13,8 +13,8 @@ one token sequence:
 already seen (drafted tokens included): rollback is a length change.
 
 Sessions are synchronous and not thread-safe; `AsyncDraftSession` (see
-`npu_draft.async_session`) runs one in a dedicated worker thread so the event loop
-never blocks, and lets a draft in progress be cancelled between tokens.
+`npu_draft.async_session`) runs one on a worker thread it holds while open, so the event
+loop never blocks, and lets a draft in progress be cancelled between tokens.
 """
 
 from __future__ import annotations

@@ -606,6 +606,7 @@ class LoadedDrafter:
 def _load_model(settings: ProxySettings, target: Any) -> Any:
     """The configured drafter's model, loaded and warmed up; with `target` facts, a
     drafter built for another tokenizer is refused."""
+    from npu_draft.async_session import run_on_worker
     from npu_draft.load import load_drafter
     from npu_draft.warmup import warm_up
 
@@ -614,8 +615,9 @@ def _load_model(settings: ProxySettings, target: Any) -> Any:
     log.info(
         "drafter %s: backend %s on %s", model.info.name, model.info.backend, model.info.provider
     )
-    # before the gate times it: a cold session's first runs cost more
-    log.info("warmed the drafter up in %.0f ms", warm_up(model))
+    # before the gate times it: a cold session's first runs cost more, and so does a
+    # thread's first run on CUDA (on a worker thread, which the first session gets)
+    log.info("warmed the drafter up in %.0f ms", run_on_worker(lambda: warm_up(model)))
     native_memory.trim()  # what loading freed (file buffers, graph copies); off the loop already
     return model
 

@@ -86,6 +86,9 @@ def main() -> None:
     parser.add_argument(
         "--prefill-chunk", type=int, default=None, help="tokens a run while taking a prompt in"
     )
+    parser.add_argument(
+        "--no-cross-check", action="store_true", help="skip the start-up CPU comparison"
+    )  # random weights: near-ties flip between providers
     parser.add_argument("-o", "--output", type=Path, help="write the summary as JSON")
     args = parser.parse_args()
 
@@ -96,6 +99,7 @@ def main() -> None:
             max_context=args.length + args.steps + 8,
             prefill_chunk=args.prefill_chunk,
             profile_prefix=str(Path(tmp) / "ort"),
+            cross_check=False if args.no_cross_check else None,
         )
         provider = model.choice.name
         chunk = model.prefill_chunk

@@ -255,16 +255,16 @@ def _same(have: Sequence[int], committed: Sequence[int], start: int) -> bool:
 
 
 class AsyncSessionDrafter(DrafterBase):
-    """Adapts `npu_draft.async_session.AsyncDraftSession` (one worker thread per
-    session, cancellable between tokens) to what the engine calls."""
+    """Adapts `npu_draft.async_session.AsyncDraftSession` (one worker thread a
+    session holds while open, cancellable between tokens) to what the engine calls."""
 
     early_draft = True
     draft_ahead = True
 
-    def __init__(self, session: DraftSession, name: str = "draft") -> None:
+    def __init__(self, session: DraftSession) -> None:
         from npu_draft.async_session import AsyncDraftSession
 
-        self._session = AsyncDraftSession(session, name)
+        self._session = AsyncDraftSession(session)
         self._greedy_only = False
         self._line = _Line()
 

@@ -1,4 +1,5 @@
-"""AsyncDraftSession: one worker thread, the loop stays free, drafts can be cancelled."""
+"""AsyncDraftSession: one worker thread per open session, reused after it closes; the loop
+stays free; drafts can be cancelled."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from npu_draft.async_session import AsyncDraftSession
+from npu_draft.async_session import WORKERS, AsyncDraftSession, run_on_worker
 from npu_draft.protocol import (
     GREEDY,
     CancelToken,
@@ -128,3 +129,40 @@ async def test_cancelling_the_awaiting_task_stops_the_worker() -> None:
     await session.close()
     with pytest.raises(RuntimeError, match="closed"):
         await session.sync([1])
+
+
+async def test_a_closed_session_hands_its_thread_to_the_next() -> None:
+    # ONNX Runtime's CUDA provider builds cuBLAS/cuDNN handles once per thread: a new
+    # thread per session paid seconds on every request's first draft
+    first, second = SlowSession(delay=0.001), SlowSession(delay=0.001)
+    session = AsyncDraftSession(first)
+    await session.sync([1])
+    await session.close()
+    created = WORKERS.created
+    session = AsyncDraftSession(second)
+    await session.sync([1])
+    await session.close()
+    assert first.threads == second.threads and WORKERS.created == created
+    assert all(thread.is_alive() for thread in threading.enumerate()
+               if thread.ident in first.threads)  # fmt: skip
+
+
+async def test_sessions_open_at_once_draft_on_threads_of_their_own() -> None:
+    inners = [SlowSession(delay=0.05), SlowSession(delay=0.05)]
+    sessions = [AsyncDraftSession(inner) for inner in inners]
+    started = time.monotonic()
+    await asyncio.gather(*(s.propose(4) for s in sessions))
+    elapsed = time.monotonic() - started
+    assert inners[0].threads.isdisjoint(inners[1].threads)
+    assert elapsed < 0.35  # side by side (0.2 s), not one after the other (0.4 s)
+    await asyncio.gather(*(s.close() for s in sessions))
+    assert [inner.calls[-1] for inner in inners] == ["close", "close"]
+
+
+async def test_the_first_session_drafts_on_the_thread_a_warm_up_ran_on() -> None:
+    warmed = run_on_worker(threading.get_ident)
+    inner = SlowSession(delay=0.001)
+    session = AsyncDraftSession(inner)
+    await session.sync([1])
+    await session.close()
+    assert inner.threads == {warmed} and warmed != threading.get_ident()
