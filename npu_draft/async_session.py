@@ -57,7 +57,7 @@ class _Workers:
             return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"npu-draft-{self.created}")
 
     def take_back(self, worker: ThreadPoolExecutor) -> None:
-        """After the session's last call was queued: a later lessee's calls run after it."""
+        """After the session's last call has run on it."""
         with self._lock:
             self._idle.append(worker)
 
@@ -131,8 +131,9 @@ class AsyncDraftSession:
         if self._closed:
             return
         self._closed = True  # no call is queued after the close
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._worker, self._tracked, self._session.close)
-        finally:  # even when cancelled: the close is queued, and runs first
-            WORKERS.take_back(self._worker)
+        worker = self._worker
+        closed = worker.submit(self._tracked, self._session.close)
+        # the thread goes back once the close has run on it, not before: one stuck in a
+        # hung call is never lent again (the next session gets a thread of its own)
+        closed.add_done_callback(lambda _: WORKERS.take_back(worker))
+        await asyncio.shield(asyncio.wrap_future(closed))  # a cancel leaves it queued

@@ -166,3 +166,24 @@ async def test_the_first_session_drafts_on_the_thread_a_warm_up_ran_on() -> None
     await session.sync([1])
     await session.close()
     assert inner.threads == {warmed} and warmed != threading.get_ident()
+
+
+async def test_a_thread_still_busy_is_not_lent_until_the_close_has_run() -> None:
+    # a drafter call that never returns must not take the next session down with it
+    stuck, after = SlowSession(delay=0.3), SlowSession(delay=0.001)
+    session = AsyncDraftSession(stuck)
+    drafting = asyncio.create_task(session.propose(1))
+    await asyncio.sleep(0.05)  # the worker is inside the blocking call now
+    closing = asyncio.create_task(session.close())
+    await asyncio.sleep(0)
+    closing.cancel()  # the request went away while its close waited behind the call
+    next_session = AsyncDraftSession(after)
+    await next_session.sync([1])
+    assert after.threads.isdisjoint(stuck.threads)
+    await asyncio.gather(drafting, return_exceptions=True)
+    await next_session.close()
+    for _ in range(100):  # the close still runs, after the call, on the same thread
+        if stuck.calls[-1:] == ["close"]:
+            break
+        await asyncio.sleep(0.01)
+    assert stuck.calls == ["propose1", "close"]
