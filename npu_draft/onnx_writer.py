@@ -106,12 +106,8 @@ def save_graph(model: onnx.ModelProto, folder: Path) -> None:
 
 def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every float32 weight, input and output as float16 (the ops this writer uses are
-    all type-generic; the norms keep their float32 stash type).
-
-    ONNX Runtime's CUDA provider has GroupQueryAttention for fp16 and bf16 only: in an
-    fp32 graph attention falls back to the CPU, and the whole KV cache crosses PCIe
-    twice a step (docs/BENCHMARKS.md: 236 ms a step on an H100 against 29 ms on 8 CPU
-    cores for the 0.6B shape)."""
+    all type-generic; the norms keep their float32 stash type). The CUDA provider needs
+    it: see `onnx_runner._attention_provider`."""
     graph = model.graph
     for index, tensor in enumerate(graph.initializer):
         if tensor.data_type == TensorProto.FLOAT:

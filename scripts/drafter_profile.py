@@ -3,9 +3,9 @@
 product's own runner (`npu_draft.onnx_runner`, the `onnx` backend).
 
 On an H100 (stage `s32a`) the 0.6B-shape fp16 drafter on CUDA stepped in 2.9 ms, yet
-each request's first draft waited 2.2-3.5 s for its 513-token prompt, and a re-sync of
-a few tokens cost ~5 ms a token: multi-token runs cost about a step per token. This
-script times, in one session of one model:
+each request's first draft waited 2.2-3.5 s for its 513-token prompt. This script
+showed the prompt taking 7.6 ms on a warm thread: the wait was each request's new
+thread (`npu_draft.async_session`). It times, on one thread, one model:
 
 - two prefills of `--length` tokens into fresh sessions (the first warms up);
 - `--steps` single-token draft steps after the second;
@@ -121,7 +121,6 @@ def main() -> None:
         model.close()
         assert model.profile_path is not None
         profile = json.loads(model.profile_path.read_text())
-        model.profile_path.unlink()
 
     runs, nodes = node_times(profile)
     per_prefill = math.ceil(args.length / chunk)

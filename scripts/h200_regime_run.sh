@@ -194,6 +194,10 @@ start_with_vulkan() {  # start, with the Vulkan build (VK_JOBS jobs) beside it; 
   bash scripts/h200_regime_run.sh start
   wait_for /tmp/vk.done 420 || tail -5 /tmp/vk.log  # no build beside the timed cells
 }
+profile() {  # NAME FOLDER OPTIONS...: scripts/drafter_profile.py (after ort_gpu; cores 0-7)
+  taskset -c 0-7 python3 scripts/drafter_profile.py "$2" "${@:3}" \
+    -o "$OUT/h200-drafter-profile-$1.json" || echo "profile $1 FAILED"
+}
 strix_cell() {  # SIZE TREE CORES NAME OPTIONS...: a Strix Halo cell (runner-up hits 0.42)
   # run from the checkout TREE (the code before a change: ab-before/, carried, copied to
   # /tmp first: a later call replaces or removes it in the checkout, under a cell still
@@ -767,10 +771,6 @@ case "$STAGE" in
     python3 -c "from npu_draft.onnx_writer import float16_copy
 float16_copy('/tmp/md/draft', '/tmp/md/draft16')"
     ort_gpu 420
-    profile() {  # NAME FOLDER OPTIONS...
-      taskset -c 0-7 python3 scripts/drafter_profile.py "$2" "${@:3}" \
-        -o "$OUT/h200-drafter-profile-$1.json" || echo "profile $1 FAILED"
-    }
     profile cuda-512 /tmp/md/draft16 --provider cuda --length 512
     profile cuda-4096 /tmp/md/draft16 --provider cuda --length 4096
     profile cuda-512-chunk1 /tmp/md/draft16 --provider cuda --length 512 --prefill-chunk 1
@@ -782,22 +782,21 @@ float16_copy('/tmp/md/draft', '/tmp/md/draft16')"
                  # drafter (the writer's graph, as make-models exports it) profiled on CUDA
                  # at 512, in runs of 512 and of one token (the first call carries .whl and
                  # .ortgpu/SHA256, the next six a part each)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --target /tmp/site .whl/*.whl
+    install_wheels
     python3 -c "import json
 from pathlib import Path
 from npu_draft.batch_step import random_drafter
 from npu_draft.factory.shapes import DRAFT_SHAPES
+from npu_draft.onnx_runner import DecoderSpec
 shape, folder = DRAFT_SHAPES['qwen3-0.6b'], Path('/tmp/rd16')
 random_drafter(shape, folder, context=4096, float16=True)
-decoder = {'num_layers': shape.layers, 'num_kv_heads': shape.kv_heads,
-           'head_dim': shape.head_dim, 'vocab_size': shape.vocab, 'context_length': 4096}
-(folder / 'npu_draft.json').write_text(json.dumps({'decoder': decoder}))"
+spec = DecoderSpec(shape.layers, shape.kv_heads, shape.head_dim, shape.vocab, 4096)
+(folder / 'npu_draft.json').write_text(json.dumps({'decoder': spec.to_json()}))"
     ort_gpu 200
+    # random weights flip near-ties between CUDA and the CPU: no start-up comparison
     for chunk in 512 1; do
-      python3 scripts/drafter_profile.py /tmp/rd16 --provider cuda --length 512 \
-        --prefill-chunk "$chunk" -o "$OUT/h200-drafter-profile-cuda-512-chunk$chunk.json" \
-        || echo "profile chunk $chunk FAILED"
+      profile "cuda-512-chunk$chunk" /tmp/rd16 --provider cuda --length 512 \
+        --prefill-chunk "$chunk" --no-cross-check
     done
     ;;
   ortcheck)  # onnxruntime-gpu from the .ortgpu parts (.ortgpu/SHA256; the first call carries
