@@ -760,6 +760,17 @@ case "$STAGE" in
     wait
     grep -v "INFO proxy" /tmp/emu-a.log
     ;;
+  s34)  # s32a's first cell again after the drafter's threads were pooled (the real drafter
+        # on CUDA with the defaults and always speculating, beside plain, llama.cpp's
+        # drafting and the oracle), then the runner's own per-token draft latency on CUDA
+        # (bench_drafter, no profiler) at 512 and 4k (~900 s; the calls of s32a)
+    DRAFTER=1 bash scripts/h200_regime_run.sh start
+    ort_gpu 240 || exit 1
+    HOST_CPU_DRAFTER=0 CUDA_DRAFTER=1 BUILTIN=1 spec_ab auto 'auto='
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    taskset -c 0-7 python3 scripts/bench_drafter.py --drafter /tmp/m14/draft16 --backends onnx \
+      --provider cuda --contexts 512,4096 || echo "bench_drafter FAILED"
+    ;;
   drafterprof)  # the real drafter's time node by node (scripts/drafter_profile.py): the
                 # 0.6B-shape drafter beside a small target (no llama-server), on CUDA from
                 # its fp16 copy at 512 and 4k, at 512 a token per run, and on 8 host cores
