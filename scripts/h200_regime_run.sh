@@ -256,9 +256,12 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
   if [ "${HOST_CPU_DRAFTER:-1}" = 1 ]; then
     drafter+=(--proxy-variant 'cpu=--provider cpu --log-rounds'); drafter_names+=,cpu
   fi
-  [ "${CUDA_DRAFTER:-0}" = 1 ] && modes=(--modes plain,builtin,proxy,oracle --models /tmp/m14
+  # (no VARIANTS: no oracle rows)
+  local oracle=(--oracle-mode-variants "$names") cuda_modes=plain,builtin,proxy,oracle
+  [ -z "$names" ] && oracle=() && cuda_modes=plain,builtin,proxy
+  [ "${CUDA_DRAFTER:-0}" = 1 ] && modes=(--modes "$cuda_modes" --models /tmp/m14
     --builtin-args='-ngld 99' --provider cuda "${drafter[@]}"
-    --proxy-mode-variants "$drafter_names" --oracle-mode-variants "$names")
+    --proxy-mode-variants "$drafter_names" "${oracle[@]}")
   taskset -c 0-7 python3 -m proxy.cli bench --target /tmp/m14/target.gguf \
     --server-args='-ngl 99 -fa on' --context 512 -n "${N_TOKENS:-128}" --prompt-ids "$prompts" \
     "${modes[@]}" -k 6 --repeats "$repeats" --ceiling-ks 1,2,3,4,6 \
@@ -762,11 +765,12 @@ case "$STAGE" in
     ;;
   s34)  # s32a's first cell again after the drafter's threads were pooled (the real drafter
         # on CUDA with the defaults and always speculating, beside plain, llama.cpp's
-        # drafting and the oracle), then the runner's own per-token draft latency on CUDA
-        # (bench_drafter, no profiler) at 512 and 4k (~900 s; the calls of s32a)
+        # drafting), then the runner's own per-token draft latency on CUDA
+        # (bench_drafter, no profiler) at 512 and 4k (~800 s; the calls of s32a;
+        # S34_ORACLE=1: the oracle's rows too)
     DRAFTER=1 bash scripts/h200_regime_run.sh start
     ort_gpu 240 || exit 1
-    HOST_CPU_DRAFTER=0 CUDA_DRAFTER=1 BUILTIN=1 spec_ab auto 'auto='
+    HOST_CPU_DRAFTER=0 CUDA_DRAFTER=1 BUILTIN=1 spec_ab auto ${S34_ORACLE:+'auto='}
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
     taskset -c 0-7 python3 scripts/bench_drafter.py --drafter /tmp/m14/draft16 --backends onnx \
       --provider cuda --contexts 512,4096 || echo "bench_drafter FAILED"
