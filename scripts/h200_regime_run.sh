@@ -274,7 +274,7 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
   done
 }
 spec_gen_lru() { spec_cells "$1" gen-lru 3 "${@:2}"; }  # NAME VARIANTS...
-spec_ab() { spec_cells "$1" gen-lru,chat-travel 2 "${@:2}"; }  # NAME VARIANTS...
+spec_ab() { spec_cells "$1" gen-lru,chat-travel "${AB_REPEATS:-2}" "${@:2}"; }  # NAME VARIANTS...
 ab_summaries() {  # after `spec_ab auto 'auto=' 'off=...'`: what auto chose to pad, each
   # generation's first round and rate, and the cold fill against plain per variant
   python3 scripts/round_log_summary.py --verdict "$OUT"/rounds-auto-*-auto.log || true
@@ -767,13 +767,13 @@ case "$STAGE" in
         # on CUDA with the defaults and always speculating, beside plain, llama.cpp's
         # drafting), then the runner's own per-token draft latency on CUDA
         # (bench_drafter, no profiler) at 512 and 4k (~800 s; the calls of s32a;
-        # S34_ORACLE=1: the oracle's rows too)
+        # S34_ORACLE=1: the oracle's rows too; AB_REPEATS=1: ~650 s)
     DRAFTER=1 bash scripts/h200_regime_run.sh start
     ort_gpu 240 || exit 1
     HOST_CPU_DRAFTER=0 CUDA_DRAFTER=1 BUILTIN=1 spec_ab auto ${S34_ORACLE:+'auto='}
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
     taskset -c 0-7 python3 scripts/bench_drafter.py --drafter /tmp/m14/draft16 --backends onnx \
-      --provider cuda --contexts 512,4096 || echo "bench_drafter FAILED"
+      --provider cuda --contexts 512,4096 --repeats 2 || echo "bench_drafter FAILED"
     ;;
   drafterprof)  # the real drafter's time node by node (scripts/drafter_profile.py): the
                 # 0.6B-shape drafter beside a small target (no llama-server), on CUDA from
