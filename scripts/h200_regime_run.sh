@@ -259,6 +259,7 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
   # (no VARIANTS: no oracle rows)
   local oracle=(--oracle-mode-variants "$names") cuda_modes=plain,builtin,proxy,oracle
   [ -z "$names" ] && oracle=() && cuda_modes=plain,builtin,proxy
+  cuda_modes="${CUDA_MODES:-$cuda_modes}"  # e.g. plain,proxy: no llama.cpp drafting
   [ "${CUDA_DRAFTER:-0}" = 1 ] && modes=(--modes "$cuda_modes" --models /tmp/m14
     --builtin-args='-ngld 99' --provider cuda "${drafter[@]}"
     --proxy-mode-variants "$drafter_names" "${oracle[@]}")
@@ -767,7 +768,8 @@ case "$STAGE" in
         # on CUDA with the defaults and always speculating, beside plain, llama.cpp's
         # drafting), then the runner's own per-token draft latency on CUDA
         # (bench_drafter, no profiler) at 512 and 4k (~800 s; the calls of s32a;
-        # S34_ORACLE=1: the oracle's rows too; AB_REPEATS=1: ~650 s)
+        # S34_ORACLE=1: the oracle's rows too; AB_REPEATS=1: ~650 s; CUDA_MODES=plain,proxy
+        # and AB_REPEATS=1: ~500 s)
     DRAFTER=1 bash scripts/h200_regime_run.sh start
     ort_gpu 240 || exit 1
     HOST_CPU_DRAFTER=0 CUDA_DRAFTER=1 BUILTIN=1 spec_ab auto ${S34_ORACLE:+'auto='}
