@@ -194,6 +194,18 @@ start_with_vulkan() {  # start, with the Vulkan build (VK_JOBS jobs) beside it; 
   bash scripts/h200_regime_run.sh start
   wait_for /tmp/vk.done 420 || tail -5 /tmp/vk.log  # no build beside the timed cells
 }
+random_drafter16() {  # a random-weight 0.6B-shape fp16 drafter in /tmp/rd16 (the writer's
+  # graph, as make-models exports it; after install_wheels)
+  python3 -c "import json
+from pathlib import Path
+from npu_draft.batch_step import random_drafter
+from npu_draft.factory.shapes import DRAFT_SHAPES
+from npu_draft.onnx_runner import DecoderSpec
+shape, folder = DRAFT_SHAPES['qwen3-0.6b'], Path('/tmp/rd16')
+random_drafter(shape, folder, context=4096, float16=True)
+spec = DecoderSpec(shape.layers, shape.kv_heads, shape.head_dim, shape.vocab, 4096)
+(folder / 'npu_draft.json').write_text(json.dumps({'decoder': spec.to_json()}))"
+}
 profile() {  # NAME FOLDER OPTIONS...: scripts/drafter_profile.py (after ort_gpu; cores 0-7)
   taskset -c 0-7 python3 scripts/drafter_profile.py "$2" "${@:3}" \
     -o "$OUT/h200-drafter-profile-$1.json" || echo "profile $1 FAILED"
@@ -800,20 +812,25 @@ float16_copy('/tmp/md/draft', '/tmp/md/draft16')"
                  # at 512, in runs of 512 and of one token (the first call carries .whl and
                  # .ortgpu/SHA256, the next six a part each)
     install_wheels
-    python3 -c "import json
-from pathlib import Path
-from npu_draft.batch_step import random_drafter
-from npu_draft.factory.shapes import DRAFT_SHAPES
-from npu_draft.onnx_runner import DecoderSpec
-shape, folder = DRAFT_SHAPES['qwen3-0.6b'], Path('/tmp/rd16')
-random_drafter(shape, folder, context=4096, float16=True)
-spec = DecoderSpec(shape.layers, shape.kv_heads, shape.head_dim, shape.vocab, 4096)
-(folder / 'npu_draft.json').write_text(json.dumps({'decoder': spec.to_json()}))"
+    random_drafter16
     ort_gpu 200
     # random weights flip near-ties between CUDA and the CPU: no start-up comparison
     for chunk in 512 1; do
       profile "cuda-512-chunk$chunk" /tmp/rd16 --provider cuda --length 512 \
         --prefill-chunk "$chunk" --no-cross-check
+    done
+    ;;
+  sessions)  # the thread fix in ~200 s, no llama-server: scripts/drafter_sessions.py on
+             # CUDA, each request's prompt intake and draft step through pooled worker
+             # threads (the product) against a new thread per session (before), a random
+             # fp16 0.6B-shape drafter at 512 and 4k (the calls of drafterquick)
+    install_wheels
+    random_drafter16
+    ort_gpu 200
+    for length in 512 4096; do
+      taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda \
+        --length "$length" -k 8 --requests 6 --no-cross-check \
+        -o "$OUT/h200-drafter-sessions-$length.json" || echo "sessions $length FAILED"
     done
     ;;
   ortcheck)  # onnxruntime-gpu from the .ortgpu parts (.ortgpu/SHA256; the first call carries
