@@ -11,9 +11,11 @@ from npu_draft.warmup import warm_up
 
 
 class RecordingModel:
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, **runner_facts: int) -> None:
         self.calls: list[str] = []
         self.fail = fail
+        for name, value in runner_facts.items():  # prefill_chunk, max_context
+            setattr(self, name, value)
 
     def open_session(self):
         model = self
@@ -38,6 +40,15 @@ def test_warm_up_drafts_rewinds_drafts_again_and_closes_its_session():
     model = RecordingModel()
     assert warm_up(model) >= 0.0
     assert model.calls == ["sync 16", "propose 4", "sync 15", "propose 4", "close"]
+
+
+def test_the_warm_up_prompt_fills_one_prefill_chunk_within_the_context():
+    chunked = RecordingModel(prefill_chunk=512, max_context=4096)
+    warm_up(chunked)
+    assert chunked.calls[:3] == ["sync 512", "propose 4", "sync 511"]
+    short = RecordingModel(prefill_chunk=512, max_context=100)
+    warm_up(short)
+    assert short.calls[0] == "sync 95"  # 4 drafts and the bonus token still fit
 
 
 def test_a_failing_warm_up_is_a_warning_and_still_closes(caplog: pytest.LogCaptureFixture):
