@@ -832,7 +832,7 @@ float16_copy('/tmp/md/draft', '/tmp/md/draft16')"
     for cell in 512:pooled,fresh 512:fresh,pooled 4000:pooled,fresh; do
       taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda \
         --length "${cell%%:*}" --ways "${cell#*:}" -k 8 --requests 6 --no-cross-check \
-        -o "$OUT/h200-drafter-sessions-${cell/:/-}.json" || echo "sessions $cell FAILED"
+        -o "$OUT/h200-drafter-sessions-${cell//[:,]/-}.json" || echo "sessions $cell FAILED"
     done
     ;;
   ortcheck)  # onnxruntime-gpu from the .ortgpu parts (.ortgpu/SHA256; the first call carries
