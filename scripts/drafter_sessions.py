@@ -45,8 +45,8 @@ async def pooled_request(model: DraftModel, prompt: list[int], k: int) -> tuple[
         await session.sync(prompt)
         intake = ms_since(start)
         start = time.perf_counter()
-        await session.propose(k)
-        return intake, ms_since(start) / k
+        draft = await session.propose(k)
+        return intake, ms_since(start) / len(draft)
     finally:
         await session.close()
 
@@ -60,8 +60,8 @@ async def fresh_request(model: DraftModel, prompt: list[int], k: int) -> tuple[f
         await loop.run_in_executor(thread, session.sync, prompt)
         intake = ms_since(start)
         start = time.perf_counter()
-        await loop.run_in_executor(thread, session.propose, k)
-        return intake, ms_since(start) / k
+        draft = await loop.run_in_executor(thread, session.propose, k)
+        return intake, ms_since(start) / len(draft)
     finally:
         await loop.run_in_executor(thread, session.close)
         thread.shutdown(wait=True)
@@ -110,6 +110,8 @@ def main() -> None:
     model = OnnxDraftModel(
         args.drafter, args.provider, cross_check=False if args.no_cross_check else None
     )
+    if args.length + args.k > model.max_context:  # a full context drafts nothing
+        parser.error(f"--length {args.length} + k {args.k} > the context ({model.max_context})")
     warm_ms = run_on_worker(lambda: warm_up(model))
     results = asyncio.run(measure(model, ways, args.requests, args.length, args.k))
     model.close()
