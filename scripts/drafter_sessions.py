@@ -23,6 +23,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,15 +39,21 @@ def ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+async def timed(call: Callable, prompt: list[int], k: int) -> tuple[float, float]:
+    """(prompt intake ms, draft ms a token) of one request; `call(fn)` runs `fn(session)`
+    on the way's thread."""
+    start = time.perf_counter()
+    await call(lambda session: session.sync(prompt))
+    intake = ms_since(start)
+    start = time.perf_counter()
+    draft = await call(lambda session: session.propose(k))
+    return intake, ms_since(start) / len(draft)
+
+
 async def pooled_request(model: DraftModel, prompt: list[int], k: int) -> tuple[float, float]:
     session = AsyncDraftSession(model.open_session())
     try:
-        start = time.perf_counter()
-        await session.sync(prompt)
-        intake = ms_since(start)
-        start = time.perf_counter()
-        draft = await session.propose(k)
-        return intake, ms_since(start) / len(draft)
+        return await timed(session.call, prompt, k)
     finally:
         await session.close()
 
@@ -56,12 +63,7 @@ async def fresh_request(model: DraftModel, prompt: list[int], k: int) -> tuple[f
     session = model.open_session()
     thread = ThreadPoolExecutor(max_workers=1)
     try:
-        start = time.perf_counter()
-        await loop.run_in_executor(thread, session.sync, prompt)
-        intake = ms_since(start)
-        start = time.perf_counter()
-        draft = await loop.run_in_executor(thread, session.propose, k)
-        return intake, ms_since(start) / len(draft)
+        return await timed(lambda fn: loop.run_in_executor(thread, fn, session), prompt, k)
     finally:
         await loop.run_in_executor(thread, session.close)
         thread.shutdown(wait=True)

@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
-import pytest
-
 from npu_draft.onnx_runner import OnnxDraftModel
-from tests.support.scripts import load_script
+from tests.support.scripts import run_script
 
 
 def test_profile_counts_the_runner_s_runs_and_names_each_operator_s_provider(
-    demo_models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    demo_models: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "profile.json"
-    argv = ["drafter_profile.py", str(demo_models / "draft"), "--provider", "cpu",
-            "--length", "70", "--prefill-chunk", "32", "--steps", "5", "-o", str(out)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    load_script("drafter_profile").main()
+    run_script(
+        "drafter_profile",
+        f"{demo_models / 'draft'} --provider cpu --length 70 --prefill-chunk 32 --steps 5 -o {out}",
+    )
     result = json.loads(out.read_text())
     assert result["provider"] == "cpu" and result["prefill_chunk"] == 32
     assert result["prefill"]["runs"] == math.ceil(70 / 32)

@@ -4,24 +4,23 @@ the product's pooled worker threads and through a new thread per session."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from npu_draft.async_session import WORKERS
-from tests.support.scripts import load_script
+from tests.support.scripts import run_script
 
 
 def test_both_ways_time_every_request_and_the_pooled_way_makes_no_new_thread(
-    demo_models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    demo_models: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "sessions.json"
-    argv = ["drafter_sessions.py", str(demo_models / "draft"), "--provider", "cpu",
-            "--length", "40", "-k", "3", "--requests", "3", "-o", str(out)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
     threads_before = WORKERS.created
-    load_script("drafter_sessions").main()
+    run_script(
+        "drafter_sessions",
+        f"{demo_models / 'draft'} --provider cpu --length 40 -k 3 --requests 3 -o {out}",
+    )
     result = json.loads(out.read_text())
     assert result["provider"] == "cpu" and result["length"] == 40
     assert set(result["ways"]) == {"pooled", "fresh"}
@@ -33,14 +32,13 @@ def test_both_ways_time_every_request_and_the_pooled_way_makes_no_new_thread(
 
 
 def test_a_prompt_that_fills_the_context_is_refused(
-    demo_models: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    demo_models: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from npu_draft.onnx_runner import OnnxDraftModel
 
     context = OnnxDraftModel(demo_models / "draft", "cpu").max_context
-    argv = ["drafter_sessions.py", str(demo_models / "draft"), "--provider", "cpu",
-            "--length", str(context), "-k", "3"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit):
-        load_script("drafter_sessions").main()
+        run_script(
+            "drafter_sessions", f"{demo_models / 'draft'} --provider cpu --length {context} -k 3"
+        )
     assert "the context" in capsys.readouterr().err
