@@ -14,8 +14,11 @@ writes) have this shape; a graph whose attention concatenates past and present
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,8 @@ import numpy as np
 import onnxruntime as ort
 
 from npu_draft import providers
+from npu_draft.decode_graph import DecodeGraph, run_options
+from npu_draft.kv_slots import KvSlot, SlotPool
 from npu_draft.ort_backend import (
     DEFAULT_MAX_CONTEXT,
     OrtDraftModel,
@@ -51,6 +56,9 @@ PREFILL_CHUNK = 128
 PREFILL_CHUNK_LAST_POSITION = 512
 
 _ORT_FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+# ONNX Runtime's CUDA provider captures a graph id after 1-2 plain runs: the load-time
+# check runs past that, so it compares replays
+_GRAPH_CHECK_STEPS = 6
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,11 @@ class OnnxDraftModel(OrtDraftModel):
         cache_key: str | None = None,
         prefill_chunk: int | None = None,
         profile_prefix: str | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
+        """`cuda_graphs`: one-token steps replayed as CUDA graphs (`npu_draft.decode_graph`);
+        None: on CUDA. Graphs that fail or disagree with plain steps at load are turned
+        off with a warning. True on the CPU runs the same fixed-buffer steps uncaptured."""
         self.folder = Path(folder)
         self.spec = DecoderSpec.from_folder(self.folder)
         fp32_cache = _require_shared_buffer_attention(self.folder / self.spec.filename, self.spec)
@@ -143,26 +155,15 @@ class OnnxDraftModel(OrtDraftModel):
             fp32_cache,
             self.folder,
         )
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or providers.default_threads()
-        options.log_severity_level = 3  # ORT's warnings about unused initializers are noise
-        if profile_prefix:  # ONNX Runtime's own per-node timings (scripts/drafter_profile.py)
-            options.enable_profiling = True
-            options.profile_file_prefix = profile_prefix
+        self._threads, self._profile_prefix = threads, profile_prefix
         self.profile_path: Path | None = None  # the profile's file, once `close` wrote it
-        self.session = ort.InferenceSession(
-            str(self.folder / self.spec.filename),
-            options,
-            providers=self.choice.ort_providers(),
-        )
-        providers.check_session_providers(self.choice, self.session.get_providers())
-        self._inputs = {i.name: i for i in self.session.get_inputs()}
-        self._kv_dtype = _ORT_FLOAT[self._inputs[self.spec.past_key % 0].type]
-        logits_shape = next(o.shape for o in self.session.get_outputs() if o.name == "logits")
-        last_position_only = len(logits_shape) == 3 and logits_shape[1] == 1
+        logits = self._load(cuda_graphs if cuda_graphs is not None else self.choice.name == "cuda")
+        last_position_only = len(logits.shape) == 3 and logits.shape[1] == 1
         self.prefill_chunk = prefill_chunk or (
             PREFILL_CHUNK_LAST_POSITION if last_position_only else PREFILL_CHUNK
         )
+        if self.graphs and self.choice.name == "cuda" and not self._decode_graphs_agree():
+            self._load(False)
         self._describe_and_check(
             vocab_size=self.spec.vocab_size,
             eos_token_ids=self.spec.eos_token_ids,
@@ -170,6 +171,106 @@ class OnnxDraftModel(OrtDraftModel):
             cross_check=cross_check,
             runs_on=f"{self.choice.name} ({self.choice.ort_name})",
         )
+
+    def _load(self, graphs: bool) -> Any:
+        """Create the ONNX Runtime session (with CUDA graphs where `graphs` and on CUDA)
+        and the slot pool; returns the logits output's description."""
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self._threads or providers.default_threads()
+        options.log_severity_level = 3  # ORT's warnings about unused initializers are noise
+        if self._profile_prefix:  # per-node timings (scripts/drafter_profile.py)
+            options.enable_profiling = True
+            options.profile_file_prefix = self._profile_prefix
+        choice = self.choice
+        if graphs and choice.name == "cuda":
+            choice = dataclasses.replace(
+                choice, options={**choice.options, "enable_cuda_graph": "1"}
+            )
+        self.session = ort.InferenceSession(
+            str(self.folder / self.spec.filename), options, providers=choice.ort_providers()
+        )
+        providers.check_session_providers(self.choice, self.session.get_providers())
+        self._inputs = {i.name: i for i in self.session.get_inputs()}
+        self._kv_dtype = _ORT_FLOAT[self._inputs[self.spec.past_key % 0].type]
+        logits = next(o for o in self.session.get_outputs() if o.name == "logits")
+        self.graphs = graphs and len(logits.shape) == 3
+        self._logits_dtype = _ORT_FLOAT[logits.type]
+        # A graph replays the intermediate buffers it was captured with, which the arena
+        # lends to any other run; and a capture fails if another thread allocates. So
+        # with graphs, one run at a time; prompt chunks run uncaptured (id -1).
+        self._run_lock: Any = threading.Lock() if self.graphs else contextlib.nullcontext()
+        self._chunk_options = run_options(-1) if self.graphs else None
+        self._slots = SlotPool(self._new_slot, keep=self.graphs)
+        self._graph_ids = 0
+        return logits
+
+    def _new_slot(self, graphed: bool) -> KvSlot:
+        spec = self.spec
+        shape = (1, spec.num_kv_heads, self.max_context, spec.head_dim)
+        # The cache lives where the provider computes: a CPU buffer bound to a CUDA
+        # session would be copied in and out every step, and GQA only shares a
+        # buffer it can write in place. The NPU provider works on host memory.
+        if self.choice.name == "cuda":
+            cache = [
+                ort.OrtValue.ortvalue_from_shape_and_type(shape, self._kv_dtype, "cuda", 0)
+                for _ in range(2 * spec.num_layers)
+            ]
+        else:
+            cache = [
+                ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self._kv_dtype))
+                for _ in range(2 * spec.num_layers)
+            ]
+
+        def bind_cache(binding: ort.IOBinding) -> None:
+            for layer in range(spec.num_layers):
+                for name_in, name_out, value in (
+                    (spec.past_key, spec.present_key, cache[2 * layer]),
+                    (spec.past_value, spec.present_value, cache[2 * layer + 1]),
+                ):
+                    binding.bind_ortvalue_input(name_in % layer, value)
+                    binding.bind_ortvalue_output(name_out % layer, value)
+
+        binding = self.session.io_binding()
+        bind_cache(binding)
+        slot = KvSlot(cache, binding)
+        if graphed and self.graphs:
+            self._graph_ids += 1  # ids are never reused: a captured graph cannot be dropped
+            slot.graph = DecodeGraph(
+                self.session,
+                bind_cache,
+                graph_id=self._graph_ids,
+                device="cuda" if self.choice.name == "cuda" else "cpu",
+                max_context=self.max_context,
+                vocab_size=spec.vocab_size,
+                logits_dtype=self._logits_dtype,
+                has_position_ids="position_ids" in self._inputs,
+            )
+        return slot
+
+    def _decode_graphs_agree(self) -> bool:
+        """Whether graphed steps run and match plain ones on the probe sequence; past the
+        captures (ORT captures an id after a few plain runs), so replays are compared."""
+        graphed, plain = OnnxDraftSession(self), OnnxDraftSession(self, graphed=False)
+        try:
+            prompt = providers.probe_tokens(self.spec.vocab_size)
+            for _ in range(_GRAPH_CHECK_STEPS):
+                graphed.sync(prompt)
+                plain.sync(prompt)
+                expected, got = plain.next_logits(), graphed.next_logits()
+                if not np.allclose(
+                    got, expected, atol=providers.CROSS_CHECK_ATOL, rtol=providers.CROSS_CHECK_RTOL
+                ):
+                    worst = float(np.max(np.abs(got - expected)))
+                    log.warning("CUDA graph steps differ from plain ones by %.3g: off", worst)
+                    return False
+                prompt = [*prompt, int(np.argmax(expected))]
+            return True
+        except Exception:  # a provider that cannot capture this graph: plain steps
+            log.warning("CUDA graph steps failed; drafting without them", exc_info=True)
+            return False
+        finally:
+            graphed.close()
+            plain.close()
 
     def open_session(self) -> OnnxDraftSession:
         return OnnxDraftSession(self)
@@ -180,38 +281,19 @@ class OnnxDraftModel(OrtDraftModel):
     def close(self) -> None:
         if self.session is not None and self.session.get_session_options().enable_profiling:
             self.profile_path = Path(self.session.end_profiling())
+        self._slots.clear()
         self.session = None  # type: ignore[assignment]
 
 
 class OnnxDraftSession(OrtDraftSession):
-    """One token sequence's KV cache in shared past/present buffers."""
+    """One token sequence's KV cache: a slot of the model's (`npu_draft.kv_slots`), taken
+    at the first run, on the thread that runs the session."""
 
-    def __init__(self, model: OnnxDraftModel) -> None:
+    def __init__(self, model: OnnxDraftModel, *, graphed: bool = True) -> None:
         super().__init__()
         self._model = model
-        spec = model.spec
-        shape = (1, spec.num_kv_heads, model.max_context, spec.head_dim)
-        # The cache lives where the provider computes: a CPU buffer bound to a CUDA
-        # session would be copied in and out every step, and GQA only shares a
-        # buffer it can write in place. The NPU provider works on host memory.
-        if model.choice.name == "cuda":
-            self._kv = [
-                ort.OrtValue.ortvalue_from_shape_and_type(shape, model._kv_dtype, "cuda", 0)
-                for _ in range(2 * spec.num_layers)
-            ]
-        else:
-            self._kv = [
-                ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, model._kv_dtype))
-                for _ in range(2 * spec.num_layers)
-            ]
-        self._binding = model.session.io_binding()
-        for layer in range(spec.num_layers):
-            for name_in, name_out, value in (
-                (spec.past_key, spec.present_key, self._kv[2 * layer]),
-                (spec.past_value, spec.present_value, self._kv[2 * layer + 1]),
-            ):
-                self._binding.bind_ortvalue_input(name_in % layer, value)
-                self._binding.bind_ortvalue_output(name_out % layer, value)
+        self._graphed = graphed
+        self._slot: KvSlot | None = None
         self._mask = np.ones((1, model.max_context), dtype=np.int64)
         self._has_position_ids = "position_ids" in model._inputs
 
@@ -249,6 +331,14 @@ class OnnxDraftSession(OrtDraftSession):
         return draft
 
     def _feed(self, new_tokens: Sequence[int]) -> None:
+        if self._slot is None:
+            self._slot = self._model._slots.take(self._graphed)
+        graph = self._slot.graph
+        if graph is not None and len(new_tokens) == 1:
+            with self._model._run_lock:
+                self._logits = graph.step(new_tokens[0], len(self._cached))
+            self._cached.append(new_tokens[0])
+            return
         chunk = self._model.prefill_chunk
         for start in range(0, len(new_tokens), chunk):
             piece = list(new_tokens[start : start + chunk])
@@ -257,20 +347,23 @@ class OnnxDraftSession(OrtDraftSession):
 
     def _forward(self, piece: list[int], past_length: int) -> np.ndarray:
         total = past_length + len(piece)
-        binding = self._binding
+        model = self._model
+        binding = self._slot.binding  # type: ignore[union-attr]  # taken by _feed
         binding.bind_cpu_input("input_ids", np.array([piece], dtype=np.int64))
         binding.bind_cpu_input("attention_mask", self._mask[:, :total])
         if self._has_position_ids:
             positions = np.arange(past_length, total, dtype=np.int64)[None, :]
             binding.bind_cpu_input("position_ids", positions)
         binding.bind_output("logits", "cpu")
-        self._model.session.run_with_iobinding(binding)
-        logits = binding.get_outputs()[-1].numpy()
+        with model._run_lock:
+            model.session.run_with_iobinding(binding, model._chunk_options)
+            logits = binding.get_outputs()[-1].numpy()
         return np.asarray(logits[0, -1], dtype=np.float32)
 
     def close(self) -> None:
-        self._kv = []
-        self._binding = None  # type: ignore[assignment]
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            self._model._slots.give_back(slot)
 
 
 def _require_shared_buffer_attention(model_path: Path, spec: DecoderSpec) -> bool:

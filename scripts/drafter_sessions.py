@@ -12,6 +12,8 @@ running the sessions, side by side on one loaded model:
 
 The model is warmed up first on a pooled worker, as `proxy serve` does. Prints, per way,
 the median and the worst prompt intake and per-token draft time over the requests.
+`--graphs off,on` loads the model once per setting, one after the other, to compare
+draft steps with and without CUDA graphs (`npu_draft.decode_graph`).
 
     python scripts/drafter_sessions.py DRAFTER_DIR --provider cuda --length 512 -o out.json
 """
@@ -70,6 +72,7 @@ async def fresh_request(model: DraftModel, prompt: list[int], k: int) -> tuple[f
 
 
 REQUESTS = {"pooled": pooled_request, "fresh": fresh_request}
+GRAPH_SETTINGS = {"default": None, "on": True, "off": False}
 
 
 async def measure(model: DraftModel, ways: list[str], requests: int, length: int, k: int) -> dict:
@@ -102,23 +105,42 @@ def main() -> None:
         action="store_true",
         help="skip the start-up comparison with the CPU (random weights flip near-ties)",
     )
+    parser.add_argument(
+        "--graphs",
+        default="default",
+        help="CUDA graph steps: default (the runner's choice), on, off, or several (off,on)",
+    )
     parser.add_argument("-o", "--output", type=Path, help="write the results as JSON")
     args = parser.parse_args()
     ways = args.ways.split(",")
     unknown = sorted(set(ways) - set(REQUESTS))
     if unknown:
         parser.error(f"unknown --ways {unknown}; choose from {sorted(REQUESTS)}")
+    settings = args.graphs.split(",")
+    if not set(settings) <= set(GRAPH_SETTINGS):
+        parser.error(f"--graphs takes {', '.join(GRAPH_SETTINGS)}")
 
-    model = OnnxDraftModel(
-        args.drafter, args.provider, cross_check=False if args.no_cross_check else None
-    )
-    if args.length + args.k > model.max_context:  # a full context drafts nothing
-        parser.error(f"--length {args.length} + k {args.k} > the context ({model.max_context})")
-    warm_ms = run_on_worker(lambda: warm_up(model))
-    results = asyncio.run(measure(model, ways, args.requests, args.length, args.k))
-    model.close()
+    results: dict[str, dict] = {}
+    warm_ms: dict[str, float] = {}
+    graphs: dict[str, bool] = {}
+    for setting in settings:
+        model = OnnxDraftModel(
+            args.drafter,
+            args.provider,
+            cross_check=False if args.no_cross_check else None,
+            cuda_graphs=GRAPH_SETTINGS[setting],
+        )
+        if args.length + args.k > model.max_context:  # a full context drafts nothing
+            parser.error(f"--length {args.length} + k {args.k} > the context ({model.max_context})")
+        warm_ms[setting] = run_on_worker(lambda: warm_up(model))  # noqa: B023  # waited for
+        graphs[setting] = model.graphs
+        measured = asyncio.run(measure(model, ways, args.requests, args.length, args.k))
+        model.close()
+        for way, got in measured.items():
+            results[way if len(settings) == 1 else f"{way}, graphs {setting}"] = got
 
-    print(f"drafter {args.drafter} on {model.info.provider}; warm-up {warm_ms:.0f} ms")
+    print(f"drafter {args.drafter} on {model.info.provider}; warm-up ms {warm_ms}")
+    print(f"graph steps in use: {graphs}")
     print(f"{args.requests} requests, {args.length}-token prompts, k = {args.k}\n")
     print("| way | intake ms, median | intake ms, worst | draft ms a token, median | worst |")
     print("|---|---:|---:|---:|---:|")
@@ -134,7 +156,8 @@ def main() -> None:
             "provider": model.info.provider,
             "length": args.length,
             "k": args.k,
-            "warm_up_ms": round(warm_ms, 1),
+            "warm_up_ms": {setting: round(ms, 1) for setting, ms in warm_ms.items()},
+            "graphs": graphs,
             "ways": results,
         }
         args.output.write_text(json.dumps(summary, indent=1) + "\n")

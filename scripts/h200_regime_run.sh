@@ -102,6 +102,7 @@
 #           beside; the same calls as s31
 #   s32a    s32 cut to ~800 s: the real drafter on CUDA only, its draft step on CUDA only;
 #           then 512-token cold answers always speculating (auto) against plain
+#   s35     CUDA graph draft steps off and on (drafter_sessions), then s34's A/B
 #   drafterprof  the real drafter's time node by node on CUDA and the host CPU, no
 #           llama-server (~300 s; the calls of s31)
 #   drafterquick  drafterprof cut to ~200 s: a random-weight fp16 drafter, CUDA at 512 only
@@ -205,6 +206,15 @@ shape, folder = DRAFT_SHAPES['qwen3-0.6b'], Path('/tmp/rd16')
 random_drafter(shape, folder, context=4096, float16=True)
 spec = DecoderSpec(shape.layers, shape.kv_heads, shape.head_dim, shape.vocab, 4096)
 (folder / 'npu_draft.json').write_text(json.dumps({'decoder': spec.to_json()}))"
+}
+session_cells() {  # scripts/drafter_sessions.py on /tmp/rd16 (after random_drafter16 and
+  # ort_gpu): at 512 in both orders (a slower step in the second way is then the order's);
+  # 4000, not 4096: the drafts need room in the 4096-token context
+  for cell in 512:pooled,fresh 512:fresh,pooled 4000:pooled,fresh; do
+    taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda \
+      --length "${cell%%:*}" --ways "${cell#*:}" -k 8 --requests 6 --no-cross-check \
+      -o "$OUT/h200-drafter-sessions-${cell//[:,]/-}.json" || echo "sessions $cell FAILED"
+  done
 }
 profile() {  # NAME FOLDER OPTIONS...: scripts/drafter_profile.py (after ort_gpu; cores 0-7)
   taskset -c 0-7 python3 scripts/drafter_profile.py "$2" "${@:3}" \
@@ -789,6 +799,22 @@ case "$STAGE" in
     taskset -c 0-7 python3 scripts/bench_drafter.py --drafter /tmp/m14/draft16 --backends onnx \
       --provider cuda --contexts 512,4096 --repeats 2 || echo "bench_drafter FAILED"
     ;;
+  s35)  # CUDA graph steps (npu_draft.decode_graph) off and on, in both orders, with the
+        # pooled sessions at 512 and 4000 (random fp16 drafter); then s34's A/B, whose CUDA
+        # drafter rows now step through graphs (~800 s; the calls of s32a)
+    DRAFTER=1 bash scripts/h200_regime_run.sh start
+    ort_gpu 240 || exit 1
+    random_drafter16
+    for cell in 512:off,on 512:on,off 4000:off,on; do
+      taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda \
+        --length "${cell%%:*}" --ways pooled --graphs "${cell#*:}" -k 8 --requests 6 \
+        --no-cross-check -o "$OUT/h200-drafter-graphs-${cell//[:,]/-}.json" \
+        || echo "graphs $cell FAILED"
+    done
+    HOST_CPU_DRAFTER=0 CUDA_DRAFTER=1 BUILTIN=1 spec_ab auto ${S34_ORACLE:+'auto='}
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    grep -h "CUDA graph" /tmp/spec-auto/logs/*.proxy.log | head -5 || true
+    ;;
   drafterprof)  # the real drafter's time node by node (scripts/drafter_profile.py): the
                 # 0.6B-shape drafter beside a small target (no llama-server), on CUDA from
                 # its fp16 copy at 512 and 4k, at 512 a token per run, and on 8 host cores
@@ -827,13 +853,7 @@ float16_copy('/tmp/md/draft', '/tmp/md/draft16')"
     install_wheels
     random_drafter16
     ort_gpu 200
-    # at 512 in both orders (a slower step in the second way is then the order's);
-    # 4000, not 4096: the drafts need room in the 4096-token context
-    for cell in 512:pooled,fresh 512:fresh,pooled 4000:pooled,fresh; do
-      taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda \
-        --length "${cell%%:*}" --ways "${cell#*:}" -k 8 --requests 6 --no-cross-check \
-        -o "$OUT/h200-drafter-sessions-${cell//[:,]/-}.json" || echo "sessions $cell FAILED"
-    done
+    session_cells
     ;;
   ortcheck)  # onnxruntime-gpu from the .ortgpu parts (.ortgpu/SHA256; the first call carries
              # .whl-gguf, gguf's wheel alone, to leave room for a part), then issue 29 item

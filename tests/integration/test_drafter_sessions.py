@@ -42,3 +42,17 @@ def test_a_prompt_that_fills_the_context_is_refused(
             "drafter_sessions", f"{demo_models / 'draft'} --provider cpu --length {context} -k 3"
         )
     assert "the context" in capsys.readouterr().err
+
+
+def test_graph_settings_run_side_by_side(demo_models: Path, tmp_path: Path) -> None:
+    out = tmp_path / "graphs.json"
+    run_script(
+        "drafter_sessions",
+        f"{demo_models / 'draft'} --provider cpu --length 30 -k 3 --requests 2 "
+        f"--ways pooled --graphs off,on -o {out}",
+    )
+    result = json.loads(out.read_text())
+    # on the CPU the fixed-buffer steps run uncaptured, so "on" holds
+    assert result["graphs"] == {"off": False, "on": True}
+    assert set(result["ways"]) == {"pooled, graphs off", "pooled, graphs on"}
+    assert all(len(way["step_ms"]) == 2 for way in result["ways"].values())
