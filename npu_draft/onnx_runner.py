@@ -1,15 +1,19 @@
 """Backend `onnx`: a plain ONNX decoder graph with past/present KV, run through IO binding.
 
-Each session preallocates ONE buffer per layer for keys and one for values, shaped
-[1, kv_heads, max_context, head_dim], and binds it as both `past_key_values.N.*` and
-`present.N.*`. GroupQueryAttention (com.microsoft) writes the new positions in place
-and reads only the first `len(attention_mask)` of them, so the cache never moves:
-rolling back is just a shorter attention mask, and re-sync costs only the new tokens.
+Each session's cache (a slot, `npu_draft.kv_slots`) is ONE buffer per layer for keys
+and one for values, shaped [1, kv_heads, max_context, head_dim], bound as both
+`past_key_values.N.*` and `present.N.*`. GroupQueryAttention (com.microsoft) writes
+the new positions in place and reads only as many as the attention mask holds ones, so
+the cache never moves: rolling back is just a shorter attention mask, and re-sync
+costs only the new tokens.
 (Copying the cache every step doubled the per-token time; docs/BENCHMARKS.md.)
 
 Graphs from `onnxruntime_genai.models.builder` (what `npu-spec export-drafter`
 writes) have this shape; a graph whose attention concatenates past and present
 (optimum's default export) cannot share the buffer and is refused with a hint.
+
+On CUDA one-token steps replay as CUDA graphs (`npu_draft.decode_graph`); prompts run
+in chunks of varying shape, uncaptured.
 """
 
 from __future__ import annotations
@@ -157,7 +161,14 @@ class OnnxDraftModel(OrtDraftModel):
         )
         self._threads, self._profile_prefix = threads, profile_prefix
         self.profile_path: Path | None = None  # the profile's file, once `close` wrote it
-        logits = self._load(cuda_graphs if cuda_graphs is not None else self.choice.name == "cuda")
+        graphs = cuda_graphs if cuda_graphs is not None else self.choice.name == "cuda"
+        try:
+            logits = self._load(graphs)
+        except Exception:  # ORT refuses capture where nodes are off the GPU
+            if not (graphs and self.choice.name == "cuda"):
+                raise
+            log.warning("no CUDA graph steps for this graph; drafting without", exc_info=True)
+            logits = self._load(False)
         last_position_only = len(logits.shape) == 3 and logits.shape[1] == 1
         self.prefill_chunk = prefill_chunk or (
             PREFILL_CHUNK_LAST_POSITION if last_position_only else PREFILL_CHUNK
