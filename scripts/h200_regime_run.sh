@@ -103,6 +103,7 @@
 #   s32a    s32 cut to ~800 s: the real drafter on CUDA only, its draft step on CUDA only;
 #           then 512-token cold answers always speculating (auto) against plain
 #   s35     CUDA graph draft steps off and on (drafter_sessions), then s34's A/B
+#   graphs  s35's graph cells alone, no llama-server
 #   drafterprof  the real drafter's time node by node on CUDA and the host CPU, no
 #           llama-server (~300 s; the calls of s31)
 #   drafterquick  drafterprof cut to ~200 s: a random-weight fp16 drafter, CUDA at 512 only
@@ -214,6 +215,15 @@ session_cells() {  # scripts/drafter_sessions.py on /tmp/rd16 (after random_draf
     taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda \
       --length "${cell%%:*}" --ways "${cell#*:}" -k 8 --requests 6 --no-cross-check \
       -o "$OUT/h200-drafter-sessions-${cell//[:,]/-}.json" || echo "sessions $cell FAILED"
+  done
+}
+graph_cells() {  # CUDA graph steps off and on, in both orders, pooled sessions at 512 and
+  # 4000 on /tmp/rd16 (after random_drafter16 and ort_gpu)
+  for cell in 512:off,on 512:on,off 4000:off,on; do
+    taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda \
+      --length "${cell%%:*}" --ways pooled --graphs "${cell#*:}" -k 8 --requests 6 \
+      --no-cross-check -o "$OUT/h200-drafter-graphs-${cell//[:,]/-}.json" \
+      || echo "graphs $cell FAILED"
   done
 }
 profile() {  # NAME FOLDER OPTIONS...: scripts/drafter_profile.py (after ort_gpu; cores 0-7)
@@ -805,15 +815,16 @@ case "$STAGE" in
     DRAFTER=1 bash scripts/h200_regime_run.sh start
     ort_gpu 240 || exit 1
     random_drafter16
-    for cell in 512:off,on 512:on,off 4000:off,on; do
-      taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda \
-        --length "${cell%%:*}" --ways pooled --graphs "${cell#*:}" -k 8 --requests 6 \
-        --no-cross-check -o "$OUT/h200-drafter-graphs-${cell//[:,]/-}.json" \
-        || echo "graphs $cell FAILED"
-    done
+    graph_cells
     HOST_CPU_DRAFTER=0 CUDA_DRAFTER=1 BUILTIN=1 spec_ab auto ${S34_ORACLE:+'auto='}
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
     grep -h "CUDA graph" /tmp/spec-auto/logs/*.proxy.log | head -5 || true
+    ;;
+  graphs)  # s35's graph cells alone, no llama-server (~200 s; the calls of drafterquick)
+    install_wheels
+    random_drafter16
+    ort_gpu 200
+    graph_cells
     ;;
   drafterprof)  # the real drafter's time node by node (scripts/drafter_profile.py): the
                 # 0.6B-shape drafter beside a small target (no llama-server), on CUDA from
