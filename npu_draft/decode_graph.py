@@ -83,4 +83,6 @@ class DecodeGraph:
         if self._positions is not None:
             self._positions.update_inplace(np.array([[past_length]], np.int64))
         self._session.run_with_iobinding(self._binding, self._options)
-        return np.asarray(self._logits.numpy()[0, -1], dtype=np.float32)
+        return np.array(
+            self._logits.numpy()[0, -1], dtype=np.float32
+        )  # a copy: the buffer is reused

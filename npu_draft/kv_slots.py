@@ -39,6 +39,7 @@ class SlotPool:
         self._keep = keep
         self._idle: list[KvSlot] = []
         self._lock = threading.Lock()
+        self._cleared = False
         self.created = 0
 
     def take(self, graphed: bool) -> KvSlot:
@@ -60,11 +61,14 @@ class SlotPool:
         return slot
 
     def give_back(self, slot: KvSlot) -> None:
-        """At a session's close; a slot without a graph is dropped (its memory freed)."""
-        if self._keep and slot.graph is not None:
-            with self._lock:
+        """At a session's close; a slot without a graph, or after `clear`, is dropped
+        (its memory freed)."""
+        with self._lock:
+            if self._keep and slot.graph is not None and not self._cleared:
                 self._idle.append(slot)
 
     def clear(self) -> None:
+        """At the model's close: drop the idle slots, and those given back later."""
         with self._lock:
+            self._cleared = True
             self._idle.clear()

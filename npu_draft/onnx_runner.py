@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,9 +62,14 @@ PREFILL_CHUNK = 128
 PREFILL_CHUNK_LAST_POSITION = 512
 
 _ORT_FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-# ONNX Runtime's CUDA provider captures a graph id after 1-2 plain runs: the load-time
-# check runs past that, so it compares replays
+# the load-time check's one-token steps: the first of an id runs plain and captures,
+# the rest replay
 _GRAPH_CHECK_STEPS = 6
+# With CUDA graphs, one device call at a time in the whole process (every model, a
+# reloaded one beside the one it replaces): a capture fails when another thread
+# allocates or synchronises, and a replay writes the intermediate buffers it was
+# captured with, which the arena lends to any other run meanwhile.
+_DEVICE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -197,25 +204,30 @@ class OnnxDraftModel(OrtDraftModel):
             choice = dataclasses.replace(
                 choice, options={**choice.options, "enable_cuda_graph": "1"}
             )
-        self.session = ort.InferenceSession(
-            str(self.folder / self.spec.filename), options, providers=choice.ort_providers()
-        )
+        with _DEVICE_LOCK if choice.name == "cuda" else contextlib.nullcontext():
+            self.session = ort.InferenceSession(
+                str(self.folder / self.spec.filename), options, providers=choice.ort_providers()
+            )
         providers.check_session_providers(self.choice, self.session.get_providers())
         self._inputs = {i.name: i for i in self.session.get_inputs()}
         self._kv_dtype = _ORT_FLOAT[self._inputs[self.spec.past_key % 0].type]
         logits = next(o for o in self.session.get_outputs() if o.name == "logits")
         self.graphs = graphs and len(logits.shape) == 3
         self._logits_dtype = _ORT_FLOAT[logits.type]
-        # A graph replays the intermediate buffers it was captured with, which the arena
-        # lends to any other run; and a capture fails if another thread allocates. So
-        # with graphs, one run at a time; prompt chunks run uncaptured (id -1).
-        self._run_lock: Any = threading.Lock() if self.graphs else contextlib.nullcontext()
+        self._run_lock: Any = (
+            _DEVICE_LOCK if self.graphs or self.choice.name == "cuda" else contextlib.nullcontext()
+        )
         self._chunk_options = run_options(-1) if self.graphs else None
-        self._slots = SlotPool(self._new_slot, keep=self.graphs)
-        self._graph_ids = 0
+        model = weakref.ref(self)  # the pool must not keep its model alive (a reload frees it)
+        self._slots = SlotPool(lambda graphed: model()._new_slot(graphed), keep=self.graphs)
+        self._graph_ids = itertools.count(1)  # never reused: a captured graph cannot be dropped
         return logits
 
     def _new_slot(self, graphed: bool) -> KvSlot:
+        with self._run_lock:  # allocating on the device breaks another thread's capture
+            return self._allocate_slot(graphed)
+
+    def _allocate_slot(self, graphed: bool) -> KvSlot:
         spec = self.spec
         shape = (1, spec.num_kv_heads, self.max_context, spec.head_dim)
         # The cache lives where the provider computes: a CPU buffer bound to a CUDA
@@ -245,11 +257,10 @@ class OnnxDraftModel(OrtDraftModel):
         bind_cache(binding)
         slot = KvSlot(cache, binding)
         if graphed and self.graphs:
-            self._graph_ids += 1  # ids are never reused: a captured graph cannot be dropped
             slot.graph = DecodeGraph(
                 self.session,
                 bind_cache,
-                graph_id=self._graph_ids,
+                graph_id=next(self._graph_ids),
                 device="cuda" if self.choice.name == "cuda" else "cpu",
                 max_context=self.max_context,
                 vocab_size=spec.vocab_size,
@@ -259,8 +270,8 @@ class OnnxDraftModel(OrtDraftModel):
         return slot
 
     def _decode_graphs_agree(self) -> bool:
-        """Whether graphed steps run and match plain ones on the probe sequence; past the
-        captures (ORT captures an id after a few plain runs), so replays are compared."""
+        """Whether graphed steps run and match plain ones on the probe sequence, the
+        capture's step and replays after it."""
         graphed, plain = OnnxDraftSession(self), OnnxDraftSession(self, graphed=False)
         try:
             prompt = providers.probe_tokens(self.spec.vocab_size)
@@ -305,6 +316,8 @@ class OnnxDraftSession(OrtDraftSession):
         self._model = model
         self._graphed = graphed
         self._slot: KvSlot | None = None
+        self._give_back: weakref.finalize | None = None
+        self._closed = False
         self._mask = np.ones((1, model.max_context), dtype=np.int64)
         self._has_position_ids = "position_ids" in model._inputs
 
@@ -342,8 +355,14 @@ class OnnxDraftSession(OrtDraftSession):
         return draft
 
     def _feed(self, new_tokens: Sequence[int]) -> None:
+        if self._closed:
+            raise RuntimeError("draft session used after close")
         if self._slot is None:
-            self._slot = self._model._slots.take(self._graphed)
+            pool = self._model._slots
+            self._slot = pool.take(self._graphed)
+            # a session dropped without close hands its slot back when collected
+            self._give_back = weakref.finalize(self, pool.give_back, self._slot)
+            self._give_back.atexit = False
         graph = self._slot.graph
         if graph is not None and len(new_tokens) == 1:
             with self._model._run_lock:
@@ -372,9 +391,11 @@ class OnnxDraftSession(OrtDraftSession):
         return np.asarray(logits[0, -1], dtype=np.float32)
 
     def close(self) -> None:
-        slot, self._slot = self._slot, None
-        if slot is not None:
-            self._model._slots.give_back(slot)
+        self._closed = True
+        self._cached, self._pending, self._logits = [], [], None
+        self._slot = None
+        if self._give_back is not None:
+            self._give_back()  # once: the finalizer runs at most one time
 
 
 def _require_shared_buffer_attention(model_path: Path, spec: DecoderSpec) -> bool:

@@ -11,6 +11,7 @@ limits) is mirrored in `proxy.engine.server_text`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -81,9 +82,15 @@ class Generation:
             started=(started := time.perf_counter()),
             last_back=started,
         )
-        rounds = await self._rounds()
-        if self.replicator is not None:
-            await self.replicator.clear_stale(self.prompt)
+        try:
+            rounds = await self._rounds()
+            if self.replicator is not None:
+                await self.replicator.clear_stale(self.prompt)
+        except BaseException:  # the drafter session ends with the request (its KV slot)
+            if self.drafter is not None:
+                with contextlib.suppress(Exception):  # never masks the request's own error
+                    await self.drafter.close()
+            raise
         try:
             while not loop.text.finished:
                 round_start = time.perf_counter()
@@ -96,9 +103,11 @@ class Generation:
                 async for event in steps:
                     yield event
         finally:
-            await rounds.abandon()
-            rounds.slots.leave(self.prompt + loop.text.tokens)
-            await rounds.proposer.close()
+            try:
+                await rounds.abandon()
+                rounds.slots.leave(self.prompt + loop.text.tokens)
+            finally:
+                await rounds.proposer.close()
         self._finish(loop, rounds)
         self.releasing = rounds.release_slots()
 

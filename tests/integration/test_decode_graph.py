@@ -122,3 +122,40 @@ def test_off_by_default_on_the_cpu_where_slots_are_freed_at_close(demo_models: P
         assert model._slots._idle == []
     finally:
         model.close()
+
+
+def test_a_session_dropped_unclosed_gives_its_slot_back_and_a_closed_one_refuses_work(
+    graphed_model,
+) -> None:
+    session = graphed_model.open_session()
+    session.sync(prompt(6, 12))
+    slot = session._slot
+    del session  # never closed, as after a request that failed before its cleanup
+    assert slot in graphed_model._slots._idle
+    closed = graphed_model.open_session()
+    closed.sync(prompt(7, 12))
+    closed.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        closed.sync(prompt(7, 13))
+
+
+def test_the_model_is_freed_with_its_last_reference_and_keeps_no_slot_after_close(
+    demo_models: Path,
+) -> None:
+    import gc
+    import weakref
+
+    model = OnnxDraftModel(demo_models / "draft", "cpu", max_context=CONTEXT, cuda_graphs=True)
+    session = model.open_session()
+    session.sync(prompt(8, 12))
+    pool = model._slots
+    model.close()
+    session.close()  # after its model: the slot is dropped, not kept
+    assert pool._idle == []
+    gone = weakref.ref(model)
+    gc.disable()  # freed by reference counting, as `LoadedDrafter.reload` relies on
+    try:
+        del model, session
+        assert gone() is None
+    finally:
+        gc.enable()

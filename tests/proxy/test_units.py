@@ -188,6 +188,18 @@ async def test_engine_stops_at_eos_inside_an_accepted_run():
     assert result.content == b"<10><11><12><99>"  # the piece as the server reported it
 
 
+async def test_a_generation_that_fails_before_its_first_round_closes_its_drafter():
+    class MetricsDown(FakeUpstream):
+        async def metrics(self):
+            raise ConnectionError("llama-server's /metrics is gone")
+
+    script = [10, 11, 12]
+    drafter = ScriptDrafter(script, 2)
+    with pytest.raises(ConnectionError):
+        await _run(MetricsDown(script), drafter)
+    assert drafter.closed  # its session, and with it the drafter's KV slot, goes back
+
+
 class CopyingUpstream(FakeUpstream):
     """A FakeUpstream with three idle slots that records each slot action, with how
     many tokens the consumer had taken by then (`taken`)."""
