@@ -10,7 +10,9 @@ GenAI session's first draft took 14 ms a token, its first rewind 60, and later d
 The prompt fills one whole prefill chunk where the runner feeds prompts in chunks: a
 runtime sizes its memory and picks its kernels for the largest run it has seen. On an
 H100 (CUDA, fp16 0.6B-shape) a session's first 512-token prompt took 1.2 s after a
-16-token warm-up, and 6 ms after that (`scripts/drafter_sessions.py`).
+16-token warm-up, and 6 ms after that (`scripts/drafter_sessions.py`). With the chunk
+warm-up a first 512-token prompt took 6 ms, but a first 4,000-token one still 1.0-1.1 s
+(37-40 ms after it): on CUDA the runner asks for a warm-up over its whole context.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ _WARMUP_DRAFTS = 4
 
 
 def _warm_up_prompt(model: DraftModel) -> list[int]:
-    """`_WARMUP_TOKENS` repeated to one prefill chunk (the runner's `prefill_chunk`, where
-    it has one), leaving room in the context for the drafts."""
-    length = max(len(_WARMUP_TOKENS), getattr(model, "prefill_chunk", 0) or 0)
+    """`_WARMUP_TOKENS` repeated to the runner's `warm_up_length` where it gives one, else
+    to one prefill chunk (its `prefill_chunk`), leaving room in the context for the
+    drafts."""
+    length = max(
+        len(_WARMUP_TOKENS),
+        getattr(model, "warm_up_length", 0) or getattr(model, "prefill_chunk", 0) or 0,
+    )
     max_context = getattr(model, "max_context", None)
     if max_context:
         length = max(2, min(length, max_context - _WARMUP_DRAFTS - 1))

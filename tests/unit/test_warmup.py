@@ -51,6 +51,12 @@ def test_the_warm_up_prompt_fills_one_prefill_chunk_within_the_context():
     assert short.calls[0] == "sync 95"  # 4 drafts and the bonus token still fit
 
 
+def test_a_runner_may_ask_for_a_warm_up_over_its_whole_context():
+    whole = RecordingModel(prefill_chunk=512, max_context=4096, warm_up_length=4096)
+    warm_up(whole)
+    assert whole.calls[0] == "sync 4091"
+
+
 def test_a_failing_warm_up_is_a_warning_and_still_closes(caplog: pytest.LogCaptureFixture):
     model = RecordingModel(fail=True)
     with caplog.at_level(logging.WARNING, logger="npu_draft.warmup"):
