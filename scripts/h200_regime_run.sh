@@ -104,6 +104,7 @@
 #           then 512-token cold answers always speculating (auto) against plain
 #   s35     CUDA graph draft steps off and on (drafter_sessions), then s34's A/B
 #   graphs  s35's graph cells alone, no llama-server
+#   s36     the defaults with the real drafter on CUDA and on host cores, the warm-up at 4k
 #   drafterprof  the real drafter's time node by node on CUDA and the host CPU, no
 #           llama-server (~300 s; the calls of s31)
 #   drafterquick  drafterprof cut to ~200 s: a random-weight fp16 drafter, CUDA at 512 only
@@ -819,6 +820,19 @@ case "$STAGE" in
     HOST_CPU_DRAFTER=0 CUDA_DRAFTER=1 BUILTIN=1 spec_ab auto ${S34_ORACLE:+'auto='}
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
     grep -h "CUDA graph" /tmp/spec-auto/logs/*.proxy.log | head -5 || true
+    ;;
+  s36)  # the defaults' loss beside plain runs (0.92x in s34 with graphs): plain and the
+        # defaults with the real drafter on CUDA and on 8 host cores (fp32: no GPU beside
+        # the server), always speculating on CUDA, 2 repeats; then a first 4,000-token
+        # prompt after the whole-context warm-up (~900 s; the calls of s32a)
+    DRAFTER=1 bash scripts/h200_regime_run.sh start
+    ort_gpu 240 || exit 1
+    CUDA_MODES=plain,proxy HOST_CPU_DRAFTER=1 CUDA_DRAFTER=1 BUILTIN=1 AB_REPEATS=2 spec_ab auto
+    python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    random_drafter16
+    taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda --length 4000 \
+      --ways pooled -k 8 --requests 4 --no-cross-check -o "$OUT/h200-drafter-warm-4000.json" \
+      || echo "warm 4000 FAILED"
     ;;
   graphs)  # s35's graph cells alone, no llama-server (~200 s; the calls of drafterquick)
     install_wheels
