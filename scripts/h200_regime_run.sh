@@ -289,6 +289,12 @@ spec_cells() {  # NAME PROMPTS REPEATS VARIANTS...: always speculating (each --p
   if [ "${HOST_CPU_DRAFTER:-1}" = 1 ]; then
     drafter+=(--proxy-variant 'cpu=--provider cpu --log-rounds'); drafter_names+=,cpu
   fi
+  # CUDA_NO_OVERLAP=1: also always speculating on CUDA with no drafting while the server
+  # verifies (on one GPU the two take turns, so overlap may only slow both)
+  if [ "${CUDA_NO_OVERLAP:-0}" = 1 ]; then
+    drafter+=(--proxy-variant 'cudaseq=--drafter /tmp/m14/draft16 --plain-runs off --overlap off --runner-up-lines off --log-rounds')
+    drafter_names+=,cudaseq
+  fi
   # (no VARIANTS: no oracle rows)
   local oracle=(--oracle-mode-variants "$names") cuda_modes=plain,builtin,proxy,oracle
   [ -z "$names" ] && oracle=() && cuda_modes=plain,builtin,proxy
@@ -823,11 +829,13 @@ case "$STAGE" in
     ;;
   s36)  # the defaults' loss beside plain runs (0.92x in s34 with graphs): plain and the
         # defaults with the real drafter on CUDA and on 8 host cores (fp32: no GPU beside
-        # the server), always speculating on CUDA, 2 repeats; then a first 4,000-token
+        # the server), always speculating on CUDA with and without drafting during the
+        # verify, 2 repeats; then a first 4,000-token
         # prompt after the whole-context warm-up (~900 s; the calls of s32a)
     DRAFTER=1 bash scripts/h200_regime_run.sh start
     ort_gpu 240 || exit 1
-    CUDA_MODES=plain,proxy HOST_CPU_DRAFTER=1 CUDA_DRAFTER=1 BUILTIN=1 AB_REPEATS=2 spec_ab auto
+    CUDA_MODES=plain,proxy HOST_CPU_DRAFTER=1 CUDA_DRAFTER=1 CUDA_NO_OVERLAP=1 BUILTIN=1 \
+      AB_REPEATS=2 spec_ab auto
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
     random_drafter16
     taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda --length 4000 \
