@@ -837,6 +837,9 @@ case "$STAGE" in
     CUDA_MODES=plain,proxy HOST_CPU_DRAFTER=1 CUDA_DRAFTER=1 CUDA_NO_OVERLAP=1 BUILTIN=1 \
       AB_REPEATS=2 spec_ab auto
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    # the gate's choices and whole requests passed through, per proxy
+    grep -H -E "requests: |pass|CUDA graph" /tmp/spec-auto/logs/*.proxy.log \
+      > "$OUT/gate-lines.txt" 2>&1 || true
     random_drafter16
     taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda --length 4000 \
       --ways pooled -k 8 --requests 4 --no-cross-check -o "$OUT/h200-drafter-warm-4000.json" \
