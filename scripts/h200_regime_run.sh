@@ -835,7 +835,7 @@ case "$STAGE" in
     DRAFTER=1 bash scripts/h200_regime_run.sh start
     ort_gpu 240 || exit 1
     CUDA_MODES=plain,proxy HOST_CPU_DRAFTER=1 CUDA_DRAFTER=1 CUDA_NO_OVERLAP=1 BUILTIN=1 \
-      AB_REPEATS=2 spec_ab auto
+      AB_REPEATS=${AB_REPEATS:-2} spec_ab auto
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
     # the gate's choices and whole requests passed through, per proxy
     grep -H -E "requests: |pass|CUDA graph" /tmp/spec-auto/logs/*.proxy.log \
