@@ -837,6 +837,8 @@ case "$STAGE" in
     CUDA_MODES=plain,proxy HOST_CPU_DRAFTER=1 CUDA_DRAFTER=1 CUDA_NO_OVERLAP=1 BUILTIN=1 \
       AB_REPEATS=${AB_REPEATS:-2} spec_ab auto
     python3 scripts/round_log_summary.py --generations "$OUT"/rounds-auto-*.log || true
+    # the plain runs' wall and server ms a token, by what the drafter did beside them
+    python3 scripts/round_log_summary.py --runs "$OUT"/rounds-auto-*.log || true
     # the gate's choices and whole requests passed through, per proxy
     grep -H -E "requests: |pass|CUDA graph" /tmp/spec-auto/logs/*.proxy.log \
       > "$OUT/gate-lines.txt" 2>&1 || true

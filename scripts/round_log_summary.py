@@ -7,6 +7,7 @@ batch sizes (the real prompts' tokens plus the pad's) and the server's median ms
     python scripts/round_log_summary.py --verdict rounds-*.log
     python scripts/round_log_summary.py --generations rounds-*.log
     python scripts/round_log_summary.py --fill PLAIN_MS|RESULT.json rounds-*.log
+    python scripts/round_log_summary.py --runs rounds-*.log
 
 A padded run whose batch sizes are one number and whose server ms sit below the
 unpadded rounds' is what `--pad-rounds` is for (docs/BENCHMARKS.md, "Why the H200's
@@ -27,6 +28,13 @@ afforded and still matched plain decoding. Given
 the bench's RESULT.json instead of a number, it takes the plain step that run measured
 (at its one context). One plain step serves every generation, so a chat's later turns,
 decoded at longer contexts than the first, are set against a plain step a little too short.
+
+`--runs` sets the plain runs' wall time against the server's own time inside them, by
+what the drafter did beside them (timing itself, a shadow draft, nothing): per token,
+medians, with the proxy's work after each run and the server's idle gap before it. Where
+the server's own ms a token exceed plain decoding's, something slowed the server
+itself (a drafter on its GPU); where the wall time exceeds the server's, the requests
+(HTTP, the server's request handling).
 """
 
 from __future__ import annotations
@@ -51,6 +59,51 @@ def rounds_of(lines: Iterable[str]) -> list[dict]:
         if marker:
             out.append(json.loads("{" + rest))
     return out
+
+
+def runs_of(lines: Iterable[str]) -> list[dict]:
+    """The JSON records of `--log-rounds` plain-run lines."""
+    out = []
+    for line in lines:
+        _, marker, rest = line.partition(" run {")
+        if marker:
+            out.append(json.loads("{" + rest))
+    return out
+
+
+def run_summary(runs: list[dict]) -> list[dict]:
+    """Plain runs grouped by what the drafter did beside them: count, tokens, and the
+    medians of wall and server ms a token, the proxy's ms after a run and the server's
+    idle ms before one."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for run in runs:
+        if run["n_run_tokens"]:
+            groups[run["beside"] or "nothing"].append(run)
+    rows = []
+    for beside, group in sorted(groups.items()):
+        rows.append({
+            "beside": beside, "runs": len(group),
+            "tokens": sum(r["n_run_tokens"] for r in group),
+            "wall_ms_per_token": statistics.median(r["run_ms"] / r["n_run_tokens"] for r in group),
+            "server_ms_per_token": statistics.median(
+                r["server_ms"] / r["n_run_tokens"] for r in group
+            ),
+            "overhead_ms": statistics.median(r["overhead_ms"] for r in group),
+            "server_idle_ms": statistics.median(r["server_idle_ms"] for r in group),
+        })  # fmt: skip
+    return rows
+
+
+def print_runs(paths: list[str]) -> None:
+    for path in paths:
+        print(path)
+        for row in run_summary(runs_of(Path(path).read_text().splitlines())):
+            print(
+                f"  beside {row['beside']:8s} {row['runs']:4d} runs {row['tokens']:5d} tokens  "
+                f"wall {row['wall_ms_per_token']:6.2f} ms/token  server "
+                f"{row['server_ms_per_token']:6.2f}  after a run {row['overhead_ms']:6.2f} ms  "
+                f"idle before {row['server_idle_ms']:6.2f} ms"
+            )
 
 
 def summary(rounds: list[dict]) -> list[dict]:
@@ -224,6 +277,9 @@ def main(paths: list[str]) -> int:
         return 0
     if paths[:1] == ["--verdict"]:
         print_verdict(paths[1:])
+        return 0
+    if paths[:1] == ["--runs"]:
+        print_runs(paths[1:])
         return 0
     if paths[:1] == ["--generations"]:
         print_generations(paths[1:])

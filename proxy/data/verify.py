@@ -34,3 +34,4 @@ class PlainRun:
     stop_type: str  # "eos", "limit", ... as the server reports it
     cached: int = 0  # context tokens the slot reused from its cache
     id_slot: int = -1  # the slot that now holds the context and the run's tokens
+    server_ms: float = 0.0  # the slot's prompt_ms + predicted_ms: its time inside the server

@@ -126,7 +126,8 @@ class Rounds:
         await self.proposer.stop_ahead()  # its line would be stale after the run
         context = self.prompt + loop.text.tokens
         shadow = None
-        if self.policies.wants_drafter_speed():
+        timing = self.policies.wants_drafter_speed()
+        if timing:
             # the drafter is idle while the server decodes alone: time it now
             self.proposer.time_drafter(context, self.k_max, self.policies.observe_drafter_speed)
         elif self.policies.wants_shadow_draft():
@@ -170,7 +171,12 @@ class Rounds:
             round_ms=(time.perf_counter() - started) * 1e3,
             n_run_tokens=len(run.tokens),
             drafter_busy=drafter_busy,
+            server_ms=run.server_ms,
         )
+        if round_log.isEnabledFor(logging.DEBUG):
+            beside = "timing" if timing else "shadow" if shadow is not None else None
+            line = _run_line(len(loop.rounds), len(context), run, record, beside)
+            round_log.debug("run %s", line)
         self._close_round(loop, record)
         loop.after_run = True
 
@@ -507,4 +513,20 @@ def _round_line(index: int, round_: _Round, record: RoundRecord, copies: list[Co
         # the slot copies it waited for: [save ms, restores ms, slots restored] each
         "copies": [times.as_list() for times in copies],
         "slots": [[r.id_slot, r.prompt_n, r.cached, round(r.server_ms, 2)] for r in round_.results],
+    }, separators=(",", ":"))  # fmt: skip
+
+
+def _run_line(
+    index: int, n_context: int, run: PlainRun, record: RoundRecord, beside: str | None
+) -> str:
+    """One plain run as a JSON line (`--log-rounds`): its tokens, its wall time against
+    the server's own, the proxy's work after it, how long the server sat idle before it,
+    and what the drafter did beside it ("timing", "shadow" or null)."""
+    return json.dumps({
+        "i": index, "n_run_tokens": record.n_run_tokens, "n_context": n_context,
+        "cached": run.cached,
+        "run_ms": round(record.verify_ms, 2), "server_ms": round(run.server_ms, 2),
+        "overhead_ms": round(record.overhead_ms, 2),
+        "server_idle_ms": round(record.server_idle_ms, 2), "slot": run.id_slot,
+        "beside": beside, "drafter_busy": record.drafter_busy,
     }, separators=(",", ":"))  # fmt: skip

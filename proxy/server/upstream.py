@@ -121,7 +121,10 @@ class RawJson:
 
 # A plain run is the greedy verify request with more tokens: same sampler chain, so
 # its tokens are what llama-server alone writes at temperature 0.
-PLAIN_RUN_FIELDS = ["tokens", "content", "stop_type", "timings/cache_n", "id_slot"]
+PLAIN_RUN_FIELDS = [
+    "tokens", "content", "stop_type", "timings/cache_n", "id_slot", "timings/prompt_ms",
+    "timings/predicted_ms",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -450,6 +453,8 @@ class UpstreamClient:
             stop_type=str(result.get("stop_type", "")),
             cached=int(result.get("timings/cache_n", 0)),
             id_slot=int(result.get("id_slot", -1)),
+            server_ms=float(result.get("timings/prompt_ms", 0.0))
+            + float(result.get("timings/predicted_ms", 0.0)),
         )
 
 

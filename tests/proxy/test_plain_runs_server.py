@@ -9,11 +9,13 @@ from typing import Any
 import pytest
 
 from proxy.engine import EngineSettings, GenerationParams, RoundRecord, SlotReplicator
+from proxy.engine.rounds import ROUND_LOG
 from proxy.policies import PlainRunGate
 from proxy.policies.plain_runs import MIN_SPEC_ROUNDS, PASS_REQUESTS, SHADOW_RUNS
 from proxy.server.upstream import UpstreamClient
 from tests.proxy.conftest import run_proxy
 from tests.proxy.helpers import assert_greedy_equal, generate, post_json, tokenize, with_gate
+from tests.support.scripts import load_script
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -26,7 +28,7 @@ class AlwaysRun(PlainRunGate):
 
 
 async def test_plain_runs_are_the_servers_own_greedy_tokens(
-    spec_server, reference_drafter, http, ref_server
+    spec_server, reference_drafter, http, ref_server, caplog
 ):
     prompt = await tokenize(http, ref_server, "def fibonacci(n):\n    ")
     n_predict = 23  # not a multiple of the run length: the last run is cut to fit
@@ -36,11 +38,12 @@ async def test_plain_runs_are_the_servers_own_greedy_tokens(
         {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "return_tokens": True},
     )
     async with UpstreamClient(spec_server) as upstream:
-        tokens, result = await generate(
-            upstream, prompt, GenerationParams(n_predict=n_predict), reference_drafter(),
-            settings=EngineSettings(k=3, check_decodes=True),
-            policies=with_gate(EngineSettings(k=3), AlwaysRun("auto", run_tokens=5)),
-        )  # fmt: skip
+        with caplog.at_level(logging.DEBUG, logger=ROUND_LOG):
+            tokens, result = await generate(
+                upstream, prompt, GenerationParams(n_predict=n_predict), reference_drafter(),
+                settings=EngineSettings(k=3, check_decodes=True),
+                policies=with_gate(EngineSettings(k=3), AlwaysRun("auto", run_tokens=5)),
+            )  # fmt: skip
     await assert_greedy_equal(http, ref_server, prompt, expected["tokens"], tokens)
     assert len(tokens) == n_predict
     first, runs = result.rounds[0], result.rounds[1:]
@@ -53,6 +56,13 @@ async def test_plain_runs_are_the_servers_own_greedy_tokens(
     assert sum(r.n_committed for r in result.rounds) == n_predict
     # the server's own loop: one decode per token, the context suffix in the first
     assert [r.decodes for r in runs] == [r.n_committed for r in runs]
+    # `--log-rounds`: a line per run, its server time inside its wall time; the drafter
+    # timed itself beside the first (the gate had no drafter speed yet)
+    lines = [f"x {r.getMessage()}" for r in caplog.records if r.name == ROUND_LOG]
+    logged = load_script("round_log_summary").runs_of(lines)
+    assert [line["n_run_tokens"] for line in logged] == [r.n_committed for r in runs]
+    assert all(0 < line["server_ms"] <= line["run_ms"] for line in logged)
+    assert logged[0]["beside"] == "timing" and logged[0]["n_context"] == len(prompt) + 1
 
 
 async def test_gate_picks_plain_runs_when_drafts_are_never_accepted(

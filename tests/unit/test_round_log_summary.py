@@ -142,3 +142,30 @@ def test_fill_sets_cold_and_warm_generations_on_the_path_against_plain(tmp_path,
     result.write_text(json.dumps({"round_costs": {"512": {"context": 512, "plain_ms": 10.0}}}))
     assert summary.main(["--fill", str(result), str(log)]) == 0
     assert "up to 80 ms (median)" in capsys.readouterr().out
+
+
+def _run(tokens: int, run_ms: float, server_ms: float, beside: str | None) -> str:
+    record = {"i": 1, "n_run_tokens": tokens, "n_context": 600, "cached": 599,
+              "run_ms": run_ms, "server_ms": server_ms, "overhead_ms": 1.0,
+              "server_idle_ms": 2.0, "slot": 0, "beside": beside,
+              "drafter_busy": False}  # fmt: skip
+    return "2026-12-08 00:00:00,000 DEBUG proxy.engine.rounds.log: run " + json.dumps(record)
+
+
+def test_plain_runs_are_set_per_token_by_what_the_drafter_did_beside_them():
+    summary = load_script("round_log_summary")
+    lines = [
+        _line(0, 0, [513], 0, 40.0),  # a round: not a run
+        _run(16, 192.0, 180.0, "timing"),
+        _run(16, 184.0, 176.0, None),
+        _run(8, 96.0, 88.0, None),
+        _run(16, 176.0, 168.0, None),
+    ]
+    assert [r["n_drafted"] for r in summary.rounds_of(lines)] == [0]
+    rows = summary.run_summary(summary.runs_of(lines))
+    assert rows == [
+        {"beside": "nothing", "runs": 3, "tokens": 40, "wall_ms_per_token": 11.5,
+         "server_ms_per_token": 11.0, "overhead_ms": 1.0, "server_idle_ms": 2.0},
+        {"beside": "timing", "runs": 1, "tokens": 16, "wall_ms_per_token": 12.0,
+         "server_ms_per_token": 11.25, "overhead_ms": 1.0, "server_idle_ms": 2.0},
+    ]  # fmt: skip
