@@ -521,7 +521,9 @@ def _run_line(
 ) -> str:
     """One plain run as a JSON line (`--log-rounds`): its tokens, its wall time against
     the server's own, the proxy's work after it, how long the server sat idle before it,
-    and what the drafter did beside it ("timing", "shadow" or null)."""
+    and what the drafter was asked for beside it: "timing" (the gate still waits for
+    its speed: a timing draft started now, or one still running from an earlier run),
+    "shadow" (a shadow check) or null; `drafter_busy` says whether it worked meanwhile."""
     return json.dumps({
         "i": index, "n_run_tokens": record.n_run_tokens, "n_context": n_context,
         "cached": run.cached,
