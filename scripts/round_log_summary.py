@@ -51,24 +51,24 @@ from proxy.data.records import RoundRecord
 from proxy.policies.padding import BLOCK_ROUNDS, PaddingPolicy
 
 
-def rounds_of(lines: Iterable[str]) -> list[dict]:
-    """The JSON records of `--log-rounds` lines (anything else is skipped)."""
+def _records(lines: Iterable[str], kind: str) -> list[dict]:
+    """The JSON records of the `--log-rounds` lines of one kind (anything else is skipped)."""
     out = []
     for line in lines:
-        _, marker, rest = line.partition(" round {")
+        _, marker, rest = line.partition(f" {kind} {{")
         if marker:
             out.append(json.loads("{" + rest))
     return out
+
+
+def rounds_of(lines: Iterable[str]) -> list[dict]:
+    """The speculative rounds' records."""
+    return _records(lines, "round")
 
 
 def runs_of(lines: Iterable[str]) -> list[dict]:
-    """The JSON records of `--log-rounds` plain-run lines."""
-    out = []
-    for line in lines:
-        _, marker, rest = line.partition(" run {")
-        if marker:
-            out.append(json.loads("{" + rest))
-    return out
+    """The plain runs' records."""
+    return _records(lines, "run")
 
 
 def run_summary(runs: list[dict]) -> list[dict]:
