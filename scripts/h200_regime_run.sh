@@ -105,6 +105,7 @@
 #   s35     CUDA graph draft steps off and on (drafter_sessions), then s34's A/B
 #   graphs  s35's graph cells alone, no llama-server
 #   s36     the defaults with the real drafter on CUDA and on host cores, the warm-up at 4k
+#   bs      verify rounds with the server's sampling on the GPU (-bs) against the CPU's
 #   drafterprof  the real drafter's time node by node on CUDA and the host CPU, no
 #           llama-server (~300 s; the calls of s31)
 #   drafterquick  drafterprof cut to ~200 s: a random-weight fp16 drafter, CUDA at 512 only
@@ -846,6 +847,15 @@ case "$STAGE" in
     taskset -c 0-7 python3 scripts/drafter_sessions.py /tmp/rd16 --provider cuda --length 4000 \
       --ways pooled -k 8 --requests 4 --no-cross-check -o "$OUT/h200-drafter-warm-4000.json" \
       || echo "warm 4000 FAILED"
+    ;;
+  bs)  # verify rounds with the server's sampling on the GPU (`-bs`, per request
+       # `backend_sampling`) against the CPU's: verify-cost at 512, k = 1, 2, 4, 6, plain
+       # steps too (~450 s with the start; .whl and .llama-src only)
+    bash scripts/h200_regime_run.sh start
+    taskset -c 0-7 python3 -m proxy.cli verify-cost --target /tmp/m14/target.gguf \
+      --variant 'base=-ngl 99 -fa on' --variant 'bs=-ngl 99 -fa on -bs' --context 512 \
+      -k 1,2,4,6 --parts a,h --np-large 7 --np-ks none --repeats 8 --warmup 2 \
+      --work-dir /tmp/vc-bs -o "$OUT/h200-vc-bs.json" | tail -30 || echo "verify-cost bs FAILED"
     ;;
   graphs)  # s35's graph cells alone, no llama-server (~200 s; the calls of drafterquick)
     install_wheels
