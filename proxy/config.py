@@ -89,6 +89,13 @@ class ProxySettings(BaseSettings):
         "and spread contexts of another conversation that ended generations left; after a "
         "pass-through with no other stream, every context but the one the server used last",
     )
+    backend_sampling: bool = Field(
+        False,
+        description="greedy verify rounds and plain runs ask llama-server to pick each "
+        "token on the device that holds the logits (its experimental backend sampling, "
+        "per request) instead of copying every prompt's logits to the host and sampling "
+        "there, one prompt after another",
+    )
     plain_runs: Literal["auto", "off"] = Field(
         "auto",
         description="let llama-server decode alone while that is measured to be faster than "

@@ -191,6 +191,17 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         },
     ),
     (
+        ("--backend-sampling",),
+        {
+            "choices": ["on", "off"],
+            "dest": "backend_sampling",
+            "help": "on: greedy verify rounds and plain runs ask llama-server to pick each "
+            "token on the GPU that holds the logits (its experimental backend sampling, per "
+            "request), not on the host one prompt after another; the same argmax either "
+            "way (default: %(default)s)",
+        },
+    ),
+    (
         ("--clear-stale-copies",),
         {
             "choices": ["on", "off"],
@@ -693,8 +704,9 @@ async def _serve(settings: ProxySettings, running: _Running, ready: asyncio.Even
             )
             return 1
     running.upstream = upstream = UpstreamClient(
-        base_url, Timeouts(verify=settings.verify_timeout_s), api_key=own_key
-    )
+        base_url, Timeouts(verify=settings.verify_timeout_s), api_key=own_key,
+        backend_sampling=settings.backend_sampling,
+    )  # fmt: skip
     facts = await _read_tokenizer_facts(upstream)
     open_drafter, running.drafter = await _load_drafter(settings, facts)
     if degraded:  # attached with --attach-policy degrade

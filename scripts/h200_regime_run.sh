@@ -856,6 +856,9 @@ case "$STAGE" in
       --variant 'base=-ngl 99 -fa on' --variant 'bs=-ngl 99 -fa on -bs' --context 512 \
       -k 1,2,4,6 --parts a,h --np-large 7 --np-ks none --repeats 8 --warmup 2 \
       --work-dir /tmp/vc-bs -o "$OUT/h200-vc-bs.json" | tail -30 || echo "verify-cost bs FAILED"
+    # the proxy's own requests both ways, alternating, and whether their tokens agree
+    taskset -c 0-7 python3 scripts/backend_sampling_check.py --model /tmp/m14/target.gguf -k 4 \
+      --rounds 40 --server-arg '-ngl 99 -fa on' -o "$OUT/h200-bs-check.json" || echo "bs check FAILED"
     ;;
   graphs)  # s35's graph cells alone, no llama-server (~200 s; the calls of drafterquick)
     install_wheels

@@ -160,8 +160,17 @@ class UpstreamClient:
         timeouts: Timeouts | None = None,
         pool_size: int = 64,
         api_key: str | None = None,
+        backend_sampling: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # greedy verify rounds and plain runs: with `backend_sampling` the server picks
+        # the argmax on the device (no logits copied to the host, no sampling there one
+        # prompt after another); llama-server alone samples on the host, the same argmax
+        self._greedy_params = (
+            {**GREEDY_VERIFY_PARAMS, "backend_sampling": True}
+            if backend_sampling
+            else GREEDY_VERIFY_PARAMS
+        )
         self.timeouts = timeouts or Timeouts()
         self._pool_size = pool_size
         self._session: aiohttp.ClientSession | None = None
@@ -386,9 +395,7 @@ class UpstreamClient:
         must pick the idle slot sharing its longest prefix. `pad`: one more prompt, last
         in the batch, whose result comes last (`proxy.engine.round_shape`).
         """
-        params = (
-            GREEDY_VERIFY_PARAMS if sampling is None else sampling_verify_params(sampling, seed)
-        )
+        params = self._greedy_params if sampling is None else sampling_verify_params(sampling, seed)
         body = RawJson(verify_body_text(self._contexts.text(list(context)), draft, params, pad))
         payload = await self._request_json(
             "POST", "/completion", body, timeout=self.timeouts.verify
@@ -434,7 +441,7 @@ class UpstreamClient:
         or with `sampling` the request's own chain and `seed` (non-streamed: a streamed
         chunk carries no id for a token that ends inside a UTF-8 character)."""
         if sampling is None:
-            params = dict(GREEDY_VERIFY_PARAMS)
+            params = dict(self._greedy_params)
         else:  # the verify chain without the distribution it reports back
             params = sampling_verify_params(sampling, seed)
             del params["n_probs"], params["post_sampling_probs"]

@@ -134,7 +134,7 @@ async def run_proxy(
     """A proxy in front of `upstream_url`; `options` override single settings
     (`plain_runs="off"`) or give what serve() would start (`scheduler=...`)."""
     settings, started = split_options(upstream_url, k, check_decodes=check_decodes, **options)
-    upstream = UpstreamClient(upstream_url)
+    upstream = UpstreamClient(upstream_url, backend_sampling=settings.backend_sampling)
     state = await build_state(settings, upstream, drafter, **started)
     runner = web.AppRunner(create_app(state), handler_cancellation=True)
     await runner.setup()
