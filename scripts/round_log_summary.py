@@ -31,10 +31,12 @@ decoded at longer contexts than the first, are set against a plain step a little
 
 `--runs` sets the plain runs' wall time against the server's own time inside them, by
 what the drafter did beside them (timing itself, a shadow draft, nothing): per token,
-medians, with the proxy's work after each run and the server's idle gap before it. Where
-the server's own ms a token exceed plain decoding's, something slowed the server
-itself (a drafter on its GPU); where the wall time exceeds the server's, the requests
-(HTTP, the server's request handling).
+medians, with the proxy's work after each run and the server's idle gap before it. The
+server's time is its prompt and predicted ms: a run's prompt is the context less what
+its slot holds, normally one token (each line's `n_context` and `cached` say). Where the
+server's own ms a token exceed plain decoding's, something slowed the server itself (a
+drafter on its GPU); where the wall time exceeds the server's, the requests (HTTP, the
+server's request handling).
 """
 
 from __future__ import annotations

@@ -89,13 +89,24 @@ async def test_plain_runs_with_backend_sampling_equal_the_server_alone(
     assert bodies and all(b.get("backend_sampling") is True for b in bodies)
 
 
-async def test_backend_sampling_is_off_unless_asked(spec_server, http, ref_server):
+async def test_the_server_takes_backend_sampling_only_when_asked(spec_server, http, ref_server):
+    """Off: no field is sent, and the slots that served the requests sample on the host
+    (the server's default); on: the field is sent and those slots took it."""
     prompt = await tokenize(http, ref_server, "Once upon a time")
-    async with UpstreamClient(spec_server) as upstream:
-        bodies = _sent_bodies(upstream)
-        await upstream.verify(prompt, prompt[:2])
-        await upstream.plain_run(prompt, 2)
-    assert len(bodies) == 2 and not any("backend_sampling" in b for b in bodies)
+    for on in (False, True):
+        async with UpstreamClient(spec_server, backend_sampling=on) as upstream:
+            bodies = _sent_bodies(upstream)
+            results = await upstream.verify(prompt, prompt[:2])
+            run = await upstream.plain_run(prompt, 2)
+            used = {r.id_slot for r in results} | {run.id_slot}
+            slots = {slot["id"]: slot for slot in await upstream.slots()}
+        assert len(bodies) == 2
+        if on:
+            assert all(b["backend_sampling"] is True for b in bodies)
+        else:
+            assert not any("backend_sampling" in b for b in bodies)
+        # /slots shows each slot's last task's parameters
+        assert {slots[i]["params"]["backend_sampling"] for i in used} == {on}
 
 
 def test_the_check_script_compares_both_ways_on_one_server(demo_models, tmp_path, capsys):
