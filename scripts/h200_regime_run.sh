@@ -850,15 +850,18 @@ case "$STAGE" in
     ;;
   bs)  # verify rounds with the server's sampling on the GPU (`-bs`, per request
        # `backend_sampling`) against the CPU's: verify-cost at 512, k = 1, 2, 4, 6, plain
-       # steps too (~450 s with the start; .whl and .llama-src only)
+       # steps too (~450 s with the start; .whl and .llama-src only). BS_KS, BS_REPEATS:
+       # fewer cells; BS_CHECK=0: no backend_sampling_check.py after it
     bash scripts/h200_regime_run.sh start
     taskset -c 0-7 python3 -m proxy.cli verify-cost --target /tmp/m14/target.gguf \
       --variant 'base=-ngl 99 -fa on' --variant 'bs=-ngl 99 -fa on -bs' --context 512 \
-      -k 1,2,4,6 --parts a,h --np-large 7 --np-ks none --repeats 8 --warmup 2 \
-      --work-dir /tmp/vc-bs -o "$OUT/h200-vc-bs.json" | tail -30 || echo "verify-cost bs FAILED"
+      -k "${BS_KS:-1,2,4,6}" --parts a,h --np-large 7 --np-ks none --repeats "${BS_REPEATS:-8}" \
+      --warmup 2 --work-dir /tmp/vc-bs -o "$OUT/h200-vc-bs.json" | tail -30 \
+      || echo "verify-cost bs FAILED"
     # the proxy's own requests both ways, alternating, and whether their tokens agree
-    taskset -c 0-7 python3 scripts/backend_sampling_check.py --model /tmp/m14/target.gguf -k 4 \
-      --rounds 40 --server-arg '-ngl 99 -fa on' -o "$OUT/h200-bs-check.json" || echo "bs check FAILED"
+    [ "${BS_CHECK:-1}" = 1 ] && { taskset -c 0-7 python3 scripts/backend_sampling_check.py \
+      --model /tmp/m14/target.gguf -k 4 --rounds 40 --server-arg '-ngl 99 -fa on' \
+      -o "$OUT/h200-bs-check.json" || echo "bs check FAILED"; }
     ;;
   graphs)  # s35's graph cells alone, no llama-server (~200 s; the calls of drafterquick)
     install_wheels
