@@ -196,8 +196,8 @@ _OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
             "choices": ["on", "off"],
             "dest": "backend_sampling",
             "help": "on: greedy verify rounds and plain runs ask llama-server to pick each "
-            "token on the GPU that holds the logits (its experimental backend sampling, per "
-            "request), not on the host one prompt after another; the same argmax either "
+            "token on the device that holds the logits (its experimental backend sampling, "
+            "per request), not on the host one prompt after another; the same argmax either "
             "way (default: %(default)s)",
         },
     ),

@@ -423,8 +423,7 @@ class UpstreamClient:
                     cached=int(result.get("timings/cache_n", 0)),
                     id_slot=int(result.get("id_slot", -1)),
                     prompt_n=int(result.get("timings/prompt_n", 0)),
-                    server_ms=float(result.get("timings/prompt_ms", 0.0))
-                    + float(result.get("timings/predicted_ms", 0.0)),
+                    server_ms=_server_ms(result),
                     candidates=None if sampling is None else parse_candidates(result),
                 )
             )
@@ -460,9 +459,15 @@ class UpstreamClient:
             stop_type=str(result.get("stop_type", "")),
             cached=int(result.get("timings/cache_n", 0)),
             id_slot=int(result.get("id_slot", -1)),
-            server_ms=float(result.get("timings/prompt_ms", 0.0))
-            + float(result.get("timings/predicted_ms", 0.0)),
+            server_ms=_server_ms(result),
         )
+
+
+def _server_ms(result: dict[str, Any]) -> float:
+    """A result's time inside the server: its prompt's ms and its predicted tokens' ms."""
+    return float(result.get("timings/prompt_ms", 0.0)) + float(
+        result.get("timings/predicted_ms", 0.0)
+    )
 
 
 def parse_candidates(result: dict[str, Any]) -> tuple[tuple[int, bytes, float], ...] | None:
